@@ -1,0 +1,47 @@
+"""Shared test fixtures.
+
+Every asyncio test runs twice, on the stdlib loop and on uvloop, and fails when the loop saw an
+exception nobody handled (a task that died silently, a callback that raised).
+"""
+import asyncio
+import gc
+
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a Linux dependency
+    uvloop = None
+
+_unhandled_loop_errors: list[dict] = []
+
+
+def _record_unhandled(loop, context):
+    _unhandled_loop_errors.append(context)
+
+
+def _guarded(factory):
+    def make_loop():
+        loop = factory()
+        loop.set_exception_handler(_record_unhandled)
+        return loop
+
+    return make_loop
+
+
+def pytest_asyncio_loop_factories(config, item):
+    factories = {"asyncio": _guarded(asyncio.new_event_loop)}
+    if uvloop is not None:
+        factories["uvloop"] = _guarded(uvloop.new_event_loop)
+    return factories
+
+
+@pytest.fixture(autouse=True)
+def fail_on_unhandled_loop_exception():
+    _unhandled_loop_errors.clear()
+    yield
+    gc.collect()  # "Task exception was never retrieved" is reported when the task is collected
+    if _unhandled_loop_errors:
+        messages = [ctx.get("message", "") + ": " + repr(ctx.get("exception")) for ctx in _unhandled_loop_errors]
+        _unhandled_loop_errors.clear()
+        pytest.fail("unhandled event-loop exception(s): " + "; ".join(messages))

@@ -1,0 +1,43 @@
+"""wanlink: fast distributed PyTorch training over slow, long links.
+
+Public API: ``connect``, ``serve``, ``stats`` and the error tree in ``wanlink.errors``.
+Importing wanlink is cheap: the transport and torch pieces load on first use.
+"""
+from wanlink.errors import (
+    AuthenticationError,
+    ConfigError,
+    DeadlineExceeded,
+    DesyncError,
+    LimitExceeded,
+    MessageSizeError,
+    PeerLost,
+    ProtocolError,
+    UnsupportedError,
+    WanlinkError,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "connect": ("wanlink.io.link", "connect"),
+    "serve": ("wanlink.io.server", "serve"),
+    "stats": ("wanlink.io.registry", "stats"),
+    "Link": ("wanlink.io.link", "Link"),
+}
+
+__all__ = [
+    "AuthenticationError", "ConfigError", "DeadlineExceeded", "DesyncError", "LimitExceeded",
+    "MessageSizeError", "PeerLost", "ProtocolError", "UnsupportedError", "WanlinkError",
+    *_LAZY,
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        module_name, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'wanlink' has no attribute {name!r}")

@@ -1,0 +1,53 @@
+"""One error tree for wanlink.
+
+Every class also subclasses the matching built-in, so callers may catch either
+``wanlink.PeerLost`` or ``ConnectionError``.
+"""
+
+
+class WanlinkError(Exception):
+    """Base of every error wanlink raises on purpose."""
+
+
+class ConfigError(WanlinkError, ValueError):
+    """A bad argument, environment variable or configuration value."""
+
+
+class ProtocolError(WanlinkError, ValueError):
+    """The peer sent bytes that violate the wire protocol (malformed frame or message)."""
+
+
+class LimitExceeded(ProtocolError):
+    """A hard limit (frame size, transfer size, streams, pending transfers) would be exceeded.
+
+    ``limit`` names the limit, ``value`` is what was asked and ``maximum`` the bound.
+    """
+
+    def __init__(self, limit: str, value: int, maximum: int, context: str = ""):
+        self.limit, self.value, self.maximum = limit, value, maximum
+        where = f" ({context})" if context else ""
+        super().__init__(f"limit {limit} exceeded: {value} > {maximum}{where}")
+
+
+class AuthenticationError(WanlinkError, PermissionError):
+    """The peer failed the HMAC challenge-response (wrong secret, replay or wrong link)."""
+
+
+class PeerLost(WanlinkError, ConnectionError):
+    """Every stream to a peer died or the peer went silent; pending transfers cannot finish."""
+
+
+class DeadlineExceeded(WanlinkError, TimeoutError):
+    """An operation did not finish within its timeout."""
+
+
+class MessageSizeError(WanlinkError, ValueError):
+    """A received message does not have the size of the buffer posted for it."""
+
+
+class UnsupportedError(WanlinkError, NotImplementedError):
+    """The requested operation, dtype or option is not supported."""
+
+
+class DesyncError(WanlinkError, RuntimeError):
+    """Ranks issued different collectives (op, dtype or size) at the same sequence number."""
