@@ -1,1 +1,1 @@
-"""wanlink.sched"""
+"""Chunk scheduling (sans-I/O): cutting messages into chunks and an EDF queue of chunks."""

@@ -1,0 +1,210 @@
+"""serve(): accept authenticated streams, assemble them into Links, hand each Link to on_link."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import socket
+
+from wanlink.errors import AuthenticationError, ProtocolError, WanlinkError
+from wanlink.io.link import DEFAULT_TIMEOUT, Link
+from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly
+from wanlink.proto.handshake import ServerHandshake, Status, normalize_secret
+from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+
+
+@dataclasses.dataclass
+class _PendingLink:
+    """Streams of one link that authenticated before all of them arrived."""
+
+    count: int
+    meta: dict | None = None
+    peer: str = ""
+    socks: dict[int, socket.socket] = dataclasses.field(default_factory=dict)
+    expiry: asyncio.TimerHandle | None = None
+
+
+class Server:
+    """A listening wanlink server; ``close()`` stops accepting (links already handed out stay open)."""
+
+    def __init__(self, listener: socket.socket, *, secret: bytes, on_link, limits: Limits, timeout: float,
+                 link_options: dict):
+        self._listener = listener
+        self._secret = secret
+        self._on_link = on_link
+        self._limits = limits
+        self._timeout = timeout
+        self._link_options = link_options
+        self._loop = asyncio.get_running_loop()
+        self._pending: dict[bytes, _PendingLink] = {}
+        self._handlers: set[asyncio.Task] = set()
+        self._accept_task: asyncio.Task | None = None
+        self.host, self.port = listener.getsockname()[:2]
+        self.rejected_streams = 0
+
+    def start(self) -> "Server":
+        self._accept_task = self._loop.create_task(self._accept_loop(), name=f"wanlink-accept-{self.port}")
+        return self
+
+    async def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _address = await self._loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. EMFILE: keep serving once descriptors free up
+                log.error("wanlink: accept on port %d failed: %s", self.port, exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._spawn(self.accept_socket(sock))
+
+    def _spawn(self, coro) -> None:
+        task = self._loop.create_task(coro)
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def accept_socket(self, sock: socket.socket, prefix: bytes = b"") -> None:
+        """Run the handshake on an accepted socket of which ``prefix`` bytes were already read."""
+        peer = _peer_name(sock)
+        try:
+            configure_stream_socket(sock, congestion=self._link_options.get("congestion"),
+                                    buffer_bytes=self._link_options.get("sock_buffer"))
+            async with asyncio.timeout(self._timeout):
+                accepted = await self._handshake(sock, prefix, peer)
+        except (WanlinkError, OSError, TimeoutError) as exc:
+            self.rejected_streams += 1
+            log.warning("wanlink: rejected stream from %s: %s", peer, _describe(exc))
+            close_quietly(sock)
+            return
+        except BaseException:
+            close_quietly(sock)
+            raise
+        if accepted is not None:
+            await self._deliver(accepted)
+
+    async def _handshake(self, sock: socket.socket, prefix: bytes, peer: str):
+        loop = self._loop
+        handshake = ServerHandshake(self._secret, limits=self._limits)
+        data = prefix
+        reply = b""
+        while handshake.stream is None:
+            wanted = handshake.bytes_wanted()
+            if len(data) > wanted:
+                raise ProtocolError(f"{len(data)} prefix bytes exceed the {wanted}-byte handshake message")
+            data += await recv_exactly(loop, sock, wanted - len(data))
+            reply, data = handshake.receive(data), b""
+        hello = handshake.stream
+        pending = self._pending.get(hello.link_id)
+        status = self._admission(hello, pending)
+        if status is not Status.OK:
+            await loop.sock_sendall(sock, handshake.reject(status))
+            raise ProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+        await loop.sock_sendall(sock, reply)
+        try:
+            result = handshake.receive(await recv_exactly(loop, sock, handshake.bytes_wanted()))
+        except AuthenticationError:
+            await loop.sock_sendall(sock, handshake.reject_bytes)
+            raise
+        pending = self._pending.get(hello.link_id)
+        status = self._admission(hello, pending)
+        if status is not Status.OK:
+            await loop.sock_sendall(sock, bytes([status]))
+            raise ProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+        await loop.sock_sendall(sock, result)
+        if pending is None:
+            pending = _PendingLink(hello.count)
+            pending.expiry = loop.call_later(self._timeout, self._expire, hello.link_id)
+            self._pending[hello.link_id] = pending
+        pending.socks[hello.index] = sock
+        if hello.index == 0:
+            pending.meta, pending.peer = hello.meta, peer
+        if len(pending.socks) < pending.count:
+            return None
+        del self._pending[hello.link_id]
+        pending.expiry.cancel()
+        return hello.link_id, pending
+
+    def _admission(self, hello, pending: _PendingLink | None) -> Status:
+        if pending is None:
+            return Status.BUSY if len(self._pending) >= self._limits.max_pending_links else Status.OK
+        if pending.count != hello.count or hello.index in pending.socks:
+            return Status.BAD_STREAM
+        return Status.OK
+
+    def _expire(self, link_id: bytes) -> None:
+        pending = self._pending.pop(link_id, None)
+        if pending is None:
+            return
+        log.warning("wanlink: dropped a link from %s: %d of %d streams arrived within %g s",
+                    pending.peer or "?", len(pending.socks), pending.count, self._timeout)
+        for sock in pending.socks.values():
+            close_quietly(sock)
+
+    async def _deliver(self, accepted) -> None:
+        link_id, pending = accepted
+        socks = [pending.socks[i] for i in range(pending.count)]
+        link = Link(socks, peer=pending.peer, link_id=link_id, peer_meta=pending.meta, limits=self._limits,
+                    timeout=self._timeout, **{k: v for k, v in self._link_options.items()
+                                              if k in ("chunk_size", "compress", "checksum")}).start()
+        try:
+            result = self._on_link(link)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:  # noqa: BLE001 - a failing callback must not take the server down
+            log.error("wanlink: on_link callback failed for %s: %r; closing that link", link.name, exc)
+            await link.close()
+
+    def close(self) -> None:
+        """Stop accepting and drop half-open links and handshakes in progress."""
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        for task in list(self._handlers):
+            task.cancel()
+        for link_id in list(self._pending):
+            pending = self._pending.pop(link_id)
+            pending.expiry.cancel()
+            for sock in pending.socks.values():
+                close_quietly(sock)
+        close_quietly(self._listener)
+
+    async def wait_closed(self) -> None:
+        tasks = [t for t in (self._accept_task, *self._handlers) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info):
+        self.close()
+        await self.wait_closed()
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "handshake timed out"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = None,
+                timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS, backlog: int = 128,
+                chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
+                compress: bool = False, checksum: bool = False) -> Server:
+    """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer."""
+    key = normalize_secret(secret)
+    if not key:
+        log.warning("wanlink: serving on %s:%s without authentication (empty secret)", host, port)
+    try:
+        listener = socket.create_server((host, port), backlog=backlog)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    listener.setblocking(False)
+    options = {"chunk_size": chunk_size, "congestion": congestion, "sock_buffer": sock_buffer,
+               "compress": compress, "checksum": checksum}
+    return Server(listener, secret=key, on_link=on_link, limits=limits, timeout=timeout,
+                  link_options=options).start()

@@ -1,0 +1,170 @@
+"""One TCP stream of a Link: a reader that receives payloads in place, a writer that pulls chunks."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import zlib
+
+from wanlink.errors import PeerLost
+from wanlink.io.sockets import close_quietly, log
+from wanlink.proto.frames import (
+    CLOSE_FRAME, AckReceived, ChunkReceived, CloseReceived, ControlReceived, Flags, FrameDecoder,
+    PingReceived, ack_header, compress_chunk, data_header,
+)
+from wanlink.sched.chunking import Chunk
+
+MAX_FRAMES_PER_SEND = 256  # bounded by IOV_MAX (1024) with room to spare
+
+
+class Stream:
+    """A TCP connection carrying frames for one Link.
+
+    The reader hands every decoded event to the link. The writer sends queued control frames
+    (acks, pings) first, then pulls the next chunk from the link's EDF queue whenever its previous
+    send has drained into the kernel, so a faster stream carries more chunks.
+    """
+
+    def __init__(self, link, sock: socket.socket, index: int):
+        self.link = link
+        self.sock = sock
+        self.index = index
+        self.alive = True
+        self.closing = False
+        self.in_flight: dict[tuple[int, int, int], Chunk] = {}
+        self.control: list[bytes] = []
+        self.wake = asyncio.Event()
+        self.decoder = FrameDecoder(link.reassembler.place, link.limits)
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        self.last_rx = self.last_tx = loop.time()
+        self.chunks_sent = self.chunks_received = 0
+        self.bytes_sent = self.bytes_received = 0
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [
+            self.loop.create_task(self._guard(self._read_loop()), name=f"wanlink-read-{self.index}"),
+            self.loop.create_task(self._guard(self._write_loop()), name=f"wanlink-write-{self.index}"),
+        ]
+
+    def queue_control(self, frame: bytes) -> None:
+        self.control.append(frame)
+        self.wake.set()
+
+    async def _guard(self, loop_coro) -> None:
+        try:
+            await loop_coro
+        except asyncio.CancelledError:
+            raise
+        except (ConnectionError, OSError) as exc:
+            self.link.stream_failed(self, exc)
+        except Exception as exc:  # noqa: BLE001 - protocol errors and bugs fail the link, never the loop
+            self.link.fail(exc)
+
+    async def _read_loop(self) -> None:
+        loop, sock, decoder, link = self.loop, self.sock, self.decoder, self.link
+        while True:
+            n = await loop.sock_recv_into(sock, decoder.buffer())
+            if n == 0:
+                reason = "peer closed the link" if link.peer_closed else "peer closed the connection"
+                raise PeerLost(f"stream {self.index} to {link.peer}: {reason}")
+            self.last_rx = loop.time()
+            self.bytes_received += n
+            for event in decoder.advance(n):
+                if type(event) is ChunkReceived:
+                    self.chunks_received += 1
+                    header = event.header
+                    link.chunk_received(header)
+                    self.queue_control(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
+                elif type(event) is AckReceived:
+                    link.ack_received(self, event.header)
+                elif type(event) is ControlReceived:
+                    link.control_received(event.payload)
+                elif type(event) is CloseReceived:
+                    link.peer_closed = True
+                elif type(event) is not PingReceived:
+                    raise AssertionError(f"unhandled frame event {event!r}")
+
+    async def _write_loop(self) -> None:
+        link = self.link
+        queue = link.queue
+        while True:
+            if self.control:
+                frames, self.control = self.control[:MAX_FRAMES_PER_SEND], self.control[MAX_FRAMES_PER_SEND:]
+                await self.send_frames(frames)
+                continue
+            if self.closing:
+                return
+            chunk = queue.pop()
+            if chunk is not None:
+                if not chunk.acked:
+                    await self._send_chunk(chunk)
+                continue
+            self.wake.clear()
+            await self.wake.wait()
+
+    async def _send_chunk(self, chunk: Chunk) -> None:
+        transfer = chunk.transfer
+        self.in_flight[(transfer.tag, transfer.seq, chunk.offset)] = chunk
+        payload = chunk.view
+        flags = 0
+        checksum = 0
+        raw_len = len(payload)
+        if self.link.checksum:
+            flags |= Flags.CHECKSUM
+            checksum = zlib.crc32(payload)
+        if self.link.compress and raw_len:
+            packed = compress_chunk(payload)
+            if packed is not None:
+                flags |= Flags.LZ4
+                payload = packed
+        header = data_header(transfer.tag, transfer.seq, transfer.total, chunk.offset, len(payload),
+                             flags=flags, raw_len=raw_len, checksum=checksum)
+        await self.send_frames([header, payload])
+        self.chunks_sent += 1
+
+    async def send_frames(self, parts: list) -> None:
+        """Write ``parts`` in order: one sendmsg when the kernel takes it all, else sock_sendall."""
+        sock = self.sock
+        try:
+            sent = sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        self.bytes_sent += sent
+        for part in parts:
+            size = len(part)
+            if sent >= size:
+                sent -= size
+                continue
+            rest = memoryview(part)[sent:]
+            sent = 0
+            await self.loop.sock_sendall(sock, rest)
+            self.bytes_sent += len(rest)
+        self.last_tx = self.loop.time()
+
+    def take_unacked(self) -> list[Chunk]:
+        """The chunks this stream sent whose acks never came (to re-queue on other streams)."""
+        chunks = [c for c in self.in_flight.values() if not c.acked]
+        self.in_flight.clear()
+        return chunks
+
+    def abort(self) -> None:
+        """Stop both tasks and close the socket (no goodbye)."""
+        self.alive = False
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        close_quietly(self.sock)
+
+    async def close(self, grace: float) -> None:
+        """Let the writer finish its frame and say goodbye (CLOSE, within ``grace`` s), then abort."""
+        if self.alive and self._tasks:
+            self.closing = True
+            self.queue_control(CLOSE_FRAME)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._tasks[1]), grace)
+            except asyncio.TimeoutError:
+                log.debug("stream %d: CLOSE not delivered within %.1f s", self.index, grace)
+        self.abort()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,261 @@
+"""Data-frame wire format and a sans-I/O incremental decoder.
+
+Every frame is a fixed 44-byte little-endian header, optionally followed by a payload::
+
+    type u8 | flags u8 | reserved u16 | tag i64 | seq u32 | total u64 | offset u64
+    | wire_len u32 | raw_len u32 | checksum u32
+
+``(tag, seq)`` names one message (the seq-th message the sender sent on that tag), ``total`` is
+its size, and a DATA frame carries bytes ``[offset, offset + raw_len)`` of it, ``wire_len`` bytes
+on the wire (fewer when lz4-compressed). ACK frames echo a received chunk's coordinates with no
+payload. CONTROL frames carry one msgpack message. Everything is validated against Limits before a
+payload byte is accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+import zlib
+from typing import Callable
+
+from wanlink.errors import ProtocolError
+from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+
+HEADER = struct.Struct("<BBHqIQQIII")
+HEADER_SIZE = HEADER.size  # 44
+
+
+class FrameType(enum.IntEnum):
+    DATA = 1
+    ACK = 2
+    CONTROL = 3
+    PING = 4
+    CLOSE = 5
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    LZ4 = 1  # payload is an lz4 block of raw_len bytes
+    CHECKSUM = 2  # checksum holds crc32 of the raw payload
+
+
+KNOWN_FLAGS = int(Flags.LZ4 | Flags.CHECKSUM)
+_NO_PAYLOAD = frozenset({FrameType.ACK, FrameType.PING, FrameType.CLOSE})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Header:
+    type: FrameType
+    flags: int = 0
+    tag: int = 0
+    seq: int = 0
+    total: int = 0
+    offset: int = 0
+    wire_len: int = 0
+    raw_len: int = 0
+    checksum: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(self.type, self.flags, 0, self.tag, self.seq, self.total, self.offset,
+                           self.wire_len, self.raw_len, self.checksum)
+
+
+def data_header(tag: int, seq: int, total: int, offset: int, payload_len: int, *,
+                flags: int = 0, raw_len: int | None = None, checksum: int = 0) -> bytes:
+    """Pack a DATA header for ``payload_len`` wire bytes at ``offset`` of message (tag, seq)."""
+    raw = payload_len if raw_len is None else raw_len
+    return HEADER.pack(FrameType.DATA, flags, 0, tag, seq, total, offset, payload_len, raw, checksum)
+
+
+def ack_header(tag: int, seq: int, total: int, offset: int, raw_len: int) -> bytes:
+    """Pack an ACK for the chunk at ``offset`` (``raw_len`` bytes) of message (tag, seq)."""
+    return HEADER.pack(FrameType.ACK, 0, 0, tag, seq, total, offset, 0, raw_len, 0)
+
+
+def control_header(payload_len: int) -> bytes:
+    return HEADER.pack(FrameType.CONTROL, 0, 0, 0, 0, 0, 0, payload_len, payload_len, 0)
+
+
+PING_FRAME = HEADER.pack(FrameType.PING, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+CLOSE_FRAME = HEADER.pack(FrameType.CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def parse_header(raw: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Header:
+    """Decode and validate one header; raises ProtocolError/LimitExceeded on any bad field."""
+    ftype, flags, reserved, tag, seq, total, offset, wire_len, raw_len, checksum = HEADER.unpack(raw)
+    try:
+        frame_type = FrameType(ftype)
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+    if reserved:
+        raise ProtocolError(f"reserved header field is {reserved}, must be 0")
+    if flags & ~KNOWN_FLAGS:
+        raise ProtocolError(f"unknown frame flags 0x{flags:02x}")
+    if frame_type is FrameType.DATA:
+        limits.check("max_transfer_size", total, f"message tag={tag} seq={seq}")
+        limits.check("max_frame_payload", raw_len, f"chunk of tag={tag} seq={seq}")
+        limits.check("max_frame_payload", wire_len, f"chunk of tag={tag} seq={seq}")
+        if offset + raw_len > total:
+            raise ProtocolError(f"chunk [{offset}, {offset + raw_len}) lies outside message of {total} bytes")
+        if not flags & Flags.LZ4 and wire_len != raw_len:
+            raise ProtocolError(f"uncompressed chunk has wire_len {wire_len} != raw_len {raw_len}")
+        if not flags & Flags.CHECKSUM and checksum:
+            raise ProtocolError("checksum set without the CHECKSUM flag")
+    else:
+        if flags:
+            raise ProtocolError(f"flags 0x{flags:02x} on a {frame_type.name} frame")
+        if frame_type in _NO_PAYLOAD and wire_len:
+            raise ProtocolError(f"{frame_type.name} frame with a {wire_len}-byte payload")
+        if frame_type is FrameType.CONTROL:
+            limits.check("max_control_size", wire_len, "control message")
+        if frame_type is FrameType.ACK and offset + raw_len > total:
+            raise ProtocolError(f"ack of [{offset}, {offset + raw_len}) outside a {total}-byte message")
+    return Header(frame_type, flags, tag, seq, total, offset, wire_len, raw_len, checksum)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkReceived:
+    """A DATA chunk's raw bytes now lie in the destination its header was placed at."""
+
+    header: Header
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AckReceived:
+    header: Header
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ControlReceived:
+    payload: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PingReceived:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CloseReceived:
+    pass
+
+
+PayloadPlacer = Callable[[Header], memoryview]
+
+
+class FrameDecoder:
+    """Incremental frame decoder that lets the caller receive payloads in place.
+
+    The I/O layer asks ``buffer()`` where the next bytes belong, receives into it (``recv_into``),
+    then calls ``advance(n)``. When a DATA header is complete, ``place(header)`` returns the
+    writable memoryview of exactly ``raw_len`` bytes that the payload goes to (the posted buffer,
+    a staging buffer, or a scratch sink), so payload bytes are copied once, by the kernel.
+    """
+
+    def __init__(self, place: PayloadPlacer, limits: Limits = DEFAULT_LIMITS):
+        self._place = place
+        self._limits = limits
+        self._header_buf = bytearray(HEADER_SIZE)
+        self._header_view = memoryview(self._header_buf)
+        self._target: memoryview = self._header_view
+        self._filled = 0
+        self._header: Header | None = None
+        self._compressed: bytearray | None = None
+        self._destination: memoryview | None = None
+
+    def buffer(self) -> memoryview:
+        """The writable region the next received bytes must be written to."""
+        return self._target[self._filled:]
+
+    def advance(self, nbytes: int) -> list:
+        """Account for ``nbytes`` just written into ``buffer()``; returns completed events."""
+        if nbytes < 0 or self._filled + nbytes > len(self._target):
+            raise ValueError(f"advance({nbytes}) beyond the {len(self._target) - self._filled} bytes offered")
+        self._filled += nbytes
+        if self._filled < len(self._target):
+            return []
+        if self._header is None:
+            return self._on_header_complete()
+        return [self._on_payload_complete()]
+
+    def feed(self, data: bytes) -> list:
+        """Copy ``data`` through buffer()/advance(); convenient for tests and small inputs."""
+        events: list = []
+        view = memoryview(data)
+        while view:
+            target = self.buffer()
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            view = view[n:]
+            events += self.advance(n)
+        return events
+
+    def _on_header_complete(self) -> list:
+        header = parse_header(self._header_buf, self._limits)
+        if header.type is FrameType.ACK:
+            return self._expect_header([AckReceived(header)])
+        if header.type is FrameType.PING:
+            return self._expect_header([PingReceived()])
+        if header.type is FrameType.CLOSE:
+            return self._expect_header([CloseReceived()])
+        self._header = header
+        if header.type is FrameType.CONTROL or header.flags & Flags.LZ4:
+            self._compressed = bytearray(header.wire_len)
+            self._target = memoryview(self._compressed)
+        if header.type is FrameType.DATA:
+            destination = self._place(header)
+            if len(destination) != header.raw_len:
+                raise AssertionError("payload placer returned a view of the wrong size")
+            if header.flags & Flags.LZ4:
+                self._destination = destination
+            else:
+                self._target = destination
+        self._filled = 0
+        if header.wire_len == 0:
+            return [self._on_payload_complete()]
+        return []
+
+    def _on_payload_complete(self):
+        header = self._header
+        if header.type is FrameType.CONTROL:
+            event = ControlReceived(bytes(self._compressed))
+        else:
+            if header.flags & Flags.LZ4:
+                _decompress_into(self._compressed, self._destination, header)
+                raw = self._destination
+            else:
+                raw = self._target
+            if header.flags & Flags.CHECKSUM and zlib.crc32(raw) != header.checksum:
+                raise ProtocolError(f"checksum mismatch in chunk at offset {header.offset} of tag={header.tag} seq={header.seq}")
+            event = ChunkReceived(header)
+        self._expect_header([])
+        return event
+
+    def _expect_header(self, events: list) -> list:
+        self._header = None
+        self._compressed = None
+        self._destination = None
+        self._target = self._header_view
+        self._filled = 0
+        return events
+
+
+def _decompress_into(compressed: bytearray, destination: memoryview, header: Header) -> None:
+    import lz4.block
+
+    try:
+        raw = lz4.block.decompress(bytes(compressed), uncompressed_size=header.raw_len)
+    except lz4.block.LZ4BlockError as exc:
+        raise ProtocolError(f"corrupt lz4 chunk at offset {header.offset} of tag={header.tag}: {exc}") from None
+    if len(raw) != header.raw_len:
+        raise ProtocolError(f"lz4 chunk decompressed to {len(raw)} bytes, header says {header.raw_len}")
+    destination[:] = raw
+
+
+def compress_chunk(payload: memoryview) -> bytes | None:
+    """lz4-compress a chunk; None when compression does not shrink it."""
+    import lz4.block
+
+    packed = lz4.block.compress(payload, store_size=False)
+    return packed if len(packed) < len(payload) else None

@@ -1,0 +1,196 @@
+"""Receiver bookkeeping: matching messages to posted buffers, staging, duplicates (sans-I/O).
+
+Messages are named (tag, seq): the seq-th message the peer sent on ``tag``. Posted buffers on a
+tag are matched to messages in order. A chunk for a message nobody posted a buffer for yet is
+staged in bounded memory (``Limits.max_unexpected_bytes``); a chunk seen before (re-sent after a
+stream died) is routed to a scratch sink and not counted twice. Negative tags are reserved:
+``DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+from wanlink.errors import MessageSizeError, ProtocolError
+from wanlink.proto.frames import Header
+from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+
+DISCARD_TAG = -1
+SCRATCH_SIZE = 16 * 1024 * 1024
+
+
+@dataclasses.dataclass(eq=False)
+class Incoming:
+    """One message being received: its destination and which chunk offsets have arrived."""
+
+    tag: int
+    seq: int
+    buffer: memoryview | None  # the posted buffer, or None while unclaimed
+    total: int | None = None  # known once a chunk arrived
+    staging: bytearray | None = None
+    received: int = 0
+    offsets: set = dataclasses.field(default_factory=set)
+    error: Exception | None = None
+    done: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.total is not None and self.received == self.total
+
+
+@dataclasses.dataclass
+class _TagState:
+    next_post_seq: int = 0
+    returned_seqs: list = dataclasses.field(default_factory=list)  # min-heap of un-posted seqs
+    completed_below: int = 0  # every seq below this is finished
+    completed_above: set = dataclasses.field(default_factory=set)
+
+    def is_completed(self, seq: int) -> bool:
+        return seq < self.completed_below or seq in self.completed_above
+
+    def mark_completed(self, seq: int) -> None:
+        self.completed_above.add(seq)
+        while self.completed_below in self.completed_above:
+            self.completed_above.remove(self.completed_below)
+            self.completed_below += 1
+
+
+class Reassembler:
+    """Routes incoming chunks to destinations and reports finished messages."""
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS):
+        self._limits = limits
+        self._tags: dict[int, _TagState] = {}
+        self._incoming: dict[tuple[int, int], Incoming] = {}
+        self._scratch = memoryview(bytearray(min(SCRATCH_SIZE, limits.max_frame_payload)))
+        self.unexpected_bytes = 0
+        self.duplicate_chunks = 0
+
+    # -- application side -------------------------------------------------------------------
+    def post(self, tag: int, buffer: memoryview) -> Incoming:
+        """Claim the next message on ``tag`` for ``buffer``; staged bytes are copied in now."""
+        if tag < 0:
+            raise ValueError(f"tag {tag} is reserved (negative tags are wanlink-internal)")
+        state = self._tags.setdefault(tag, _TagState())
+        if state.returned_seqs:
+            seq = heapq.heappop(state.returned_seqs)
+        else:
+            seq = state.next_post_seq
+            state.next_post_seq += 1
+        entry = self._incoming.get((tag, seq))
+        if entry is None:
+            entry = self._new_entry(tag, seq, buffer)
+            return entry
+        entry.buffer = buffer
+        if entry.total is not None and entry.total != len(buffer):
+            entry.error = _size_error(tag, entry.total, len(buffer))
+        if entry.staging is not None:
+            if entry.error is None:
+                buffer[:] = entry.staging
+            self.unexpected_bytes -= len(entry.staging)
+            entry.staging = None
+        if entry.error is not None or entry.complete:
+            self._finish(entry)
+        return entry
+
+    def unpost(self, entry: Incoming) -> None:
+        """Give a posted, unfinished message back (its receiver was cancelled): stage its bytes."""
+        if entry.done or entry.buffer is None:
+            return
+        if entry.offsets:
+            self._limits.check("max_unexpected_bytes", self.unexpected_bytes + len(entry.buffer),
+                               f"re-staging tag={entry.tag} seq={entry.seq}")
+            entry.staging = bytearray(entry.buffer)
+            self.unexpected_bytes += len(entry.staging)
+        entry.buffer = None
+        entry.error = None
+        heapq.heappush(self._tags[entry.tag].returned_seqs, entry.seq)
+
+    # -- wire side --------------------------------------------------------------------------
+    def place(self, header: Header) -> memoryview:
+        """Where the raw bytes of this DATA chunk go."""
+        if header.tag < 0:
+            if header.tag != DISCARD_TAG:
+                raise ProtocolError(f"data on reserved tag {header.tag}")
+            return self._scratch_view(header.raw_len)
+        state = self._tags.setdefault(header.tag, _TagState())
+        if state.is_completed(header.seq):
+            return self._scratch_view(header.raw_len)
+        key = (header.tag, header.seq)
+        entry = self._incoming.get(key)
+        if entry is None:
+            entry = self._new_entry(header.tag, header.seq, None)
+        if entry.total is None:
+            self._learn_total(entry, header.total)
+        elif entry.total != header.total:
+            raise ProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
+        if header.offset in entry.offsets or entry.error is not None:
+            return self._scratch_view(header.raw_len)
+        end = header.offset + header.raw_len
+        if entry.buffer is not None:
+            return entry.buffer[header.offset:end]
+        return memoryview(entry.staging)[header.offset:end]
+
+    def chunk_done(self, header: Header) -> Incoming | None:
+        """Record a placed chunk; returns the message when this chunk finished it (or failed it)."""
+        if header.tag < 0:
+            return None
+        state = self._tags[header.tag]
+        entry = self._incoming.get((header.tag, header.seq))
+        if entry is None or state.is_completed(header.seq) or header.offset in entry.offsets:
+            self.duplicate_chunks += 1
+            return None
+        entry.offsets.add(header.offset)
+        entry.received += header.raw_len
+        if entry.received > entry.total:
+            raise ProtocolError(f"message tag={header.tag} seq={header.seq} received more than {entry.total} bytes")
+        if entry.done:  # failed earlier: forget it once its remaining chunks are drained
+            if entry.complete:
+                self._retire(entry)
+            return None
+        if entry.buffer is not None and (entry.complete or entry.error is not None):
+            return self._finish(entry)
+        return None
+
+    def pending(self) -> list[Incoming]:
+        """Posted messages not finished yet."""
+        return [e for e in self._incoming.values() if e.buffer is not None and not e.done]
+
+    # -- internals ----------------------------------------------------------------------------
+    def _new_entry(self, tag: int, seq: int, buffer: memoryview | None) -> Incoming:
+        self._limits.check("max_pending_transfers", len(self._incoming) + 1, "partially received messages")
+        entry = Incoming(tag, seq, buffer)
+        self._incoming[(tag, seq)] = entry
+        return entry
+
+    def _learn_total(self, entry: Incoming, total: int) -> None:
+        entry.total = total
+        if entry.buffer is not None:
+            if len(entry.buffer) != total:
+                entry.error = _size_error(entry.tag, total, len(entry.buffer))
+            return
+        self._limits.check("max_unexpected_bytes", self.unexpected_bytes + total,
+                           f"message tag={entry.tag} seq={entry.seq} arrived before a matching recv")
+        entry.staging = bytearray(total)
+        self.unexpected_bytes += total
+
+    def _finish(self, entry: Incoming) -> Incoming:
+        entry.done = True
+        if entry.complete:
+            self._retire(entry)
+        # a failed, incomplete entry stays so that its remaining chunks are recognised and dropped
+        return entry
+
+    def _retire(self, entry: Incoming) -> None:
+        self._tags[entry.tag].mark_completed(entry.seq)
+        del self._incoming[(entry.tag, entry.seq)]
+
+    def _scratch_view(self, nbytes: int) -> memoryview:
+        if nbytes > len(self._scratch):
+            self._scratch = memoryview(bytearray(nbytes))
+        return self._scratch[:nbytes]
+
+
+def _size_error(tag: int, total: int, posted: int) -> MessageSizeError:
+    return MessageSizeError(f"message on tag {tag} has {total} bytes but the posted buffer has {posted}")
+

@@ -1,0 +1,39 @@
+"""Earliest-deadline-first queue of chunks; FIFO among equal deadlines (sans-I/O).
+
+A chunk leaves the queue when a stream pulls it and is then never pre-empted. A chunk handed
+back (its stream died before the peer acknowledged it) keeps the position it was first given,
+so it goes before later chunks of the same deadline.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from wanlink.sched.chunking import Chunk
+
+
+class EDFQueue:
+    def __init__(self):
+        self._heap: list[tuple[tuple, Chunk]] = []
+        self._arrival = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, chunk: Chunk) -> None:
+        """Queue a chunk; a chunk queued before keeps its original position."""
+        if chunk.order is None:
+            chunk.order = (chunk.transfer.deadline, next(self._arrival))
+        heapq.heappush(self._heap, (chunk.order, chunk))
+
+    def pop(self) -> Chunk | None:
+        """The chunk with the earliest deadline (FIFO among equals), or None when empty."""
+        if not self._heap:
+            return None
+        return heapq.heappop(self._heap)[1]
+
+    def drain(self) -> list[Chunk]:
+        """Remove and return every queued chunk (on link failure)."""
+        chunks = [chunk for _order, chunk in self._heap]
+        self._heap.clear()
+        return chunks
