@@ -97,7 +97,7 @@ class Link:
         self.error: BaseException | None = None
         self.requeued_chunks = 0
         self.duplicate_acks = 0
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._streams = [Stream(self, sock, index) for index, sock in enumerate(socks)]
         self._outgoing: dict[tuple[int, int], tuple[OutgoingTransfer, asyncio.Future]] = {}
         self._next_send_seq: dict[int, int] = {}
@@ -111,7 +111,7 @@ class Link:
     def start(self) -> "Link":
         for stream in self._streams:
             stream.start()
-        self._watchdog = self._loop.create_task(self._watch(), name=f"wanlink-watchdog-{self.name}")
+        self._watchdog = self.loop.create_task(self._watch(), name=f"wanlink-watchdog-{self.name}")
         registry.register(self)
         return self
 
@@ -159,7 +159,7 @@ class Link:
         seq = self._next_send_seq.get(tag, 0)
         self._next_send_seq[tag] = seq + 1
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
-        done = self._loop.create_future()
+        done = self.loop.create_future()
         self._outgoing[(tag, seq)] = (transfer, done)
         for chunk in transfer.chunks:
             self.queue.push(chunk)
@@ -176,7 +176,7 @@ class Link:
             if entry.error is not None:
                 raise entry.error
             return entry.total
-        waiter = self._loop.create_future()
+        waiter = self.loop.create_future()
         self._recv_waiters[entry] = waiter
         try:
             return await waiter
@@ -317,7 +317,7 @@ class Link:
         interval = min(1.0, self.timeout / 4)
         while True:
             await asyncio.sleep(interval)
-            now = self._loop.time()
+            now = self.loop.time()
             for stream in self._streams:
                 if not stream.alive:
                     continue

@@ -1,9 +1,11 @@
-"""Process-wide registry of open links, for ``wanlink.stats()``."""
+"""Process-wide registry of open links and servers, for ``wanlink.stats()`` and clean shutdown."""
 from __future__ import annotations
 
+import asyncio
 import weakref
 
 _links: "weakref.WeakSet" = weakref.WeakSet()
+_servers: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def register(link) -> None:
@@ -14,6 +16,22 @@ def unregister(link) -> None:
     _links.discard(link)
 
 
+def register_server(server) -> None:
+    _servers.add(server)
+
+
+def unregister_server(server) -> None:
+    _servers.discard(server)
+
+
 def stats() -> dict[str, dict]:
     """Per open link (keyed ``peer/link-id``): bytes, chunks per stream, streams alive, re-queued chunks, rates."""
     return {link.name: link.stats() for link in list(_links)}
+
+
+async def close_all_on(loop: asyncio.AbstractEventLoop) -> None:
+    """Close every server and link that lives on ``loop`` (runtime shutdown)."""
+    for server in [s for s in list(_servers) if s.loop is loop]:
+        server.close()
+    await asyncio.gather(*(link.close(grace=0.2) for link in list(_links) if link.loop is loop),
+                         return_exceptions=True)

@@ -62,11 +62,15 @@ class Runtime:
             return
 
         async def cancel_all():
+            from wanlink.io.registry import close_all_on
+
+            await close_all_on(self.loop)
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.loop.shutdown_asyncgens()
+            await self.loop.shutdown_default_executor()
 
         try:
             asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout)

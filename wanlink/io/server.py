@@ -7,6 +7,7 @@ import inspect
 import socket
 
 from wanlink.errors import AuthenticationError, ProtocolError, WanlinkError
+from wanlink.io import registry
 from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly
 from wanlink.proto.handshake import ServerHandshake, Status, normalize_secret
@@ -35,7 +36,7 @@ class Server:
         self._limits = limits
         self._timeout = timeout
         self._link_options = link_options
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._pending: dict[bytes, _PendingLink] = {}
         self._handlers: set[asyncio.Task] = set()
         self._accept_task: asyncio.Task | None = None
@@ -43,13 +44,14 @@ class Server:
         self.rejected_streams = 0
 
     def start(self) -> "Server":
-        self._accept_task = self._loop.create_task(self._accept_loop(), name=f"wanlink-accept-{self.port}")
+        self._accept_task = self.loop.create_task(self._accept_loop(), name=f"wanlink-accept-{self.port}")
+        registry.register_server(self)
         return self
 
     async def _accept_loop(self) -> None:
         while True:
             try:
-                sock, _address = await self._loop.sock_accept(self._listener)
+                sock, _address = await self.loop.sock_accept(self._listener)
             except OSError as exc:  # e.g. EMFILE: keep serving once descriptors free up
                 log.error("wanlink: accept on port %d failed: %s", self.port, exc)
                 await asyncio.sleep(0.1)
@@ -57,7 +59,7 @@ class Server:
             self._spawn(self.accept_socket(sock))
 
     def _spawn(self, coro) -> None:
-        task = self._loop.create_task(coro)
+        task = self.loop.create_task(coro)
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
 
@@ -81,7 +83,7 @@ class Server:
             await self._deliver(accepted)
 
     async def _handshake(self, sock: socket.socket, prefix: bytes, peer: str):
-        loop = self._loop
+        loop = self.loop
         handshake = ServerHandshake(self._secret, limits=self._limits)
         data = prefix
         reply = b""
@@ -164,6 +166,7 @@ class Server:
             for sock in pending.socks.values():
                 close_quietly(sock)
         close_quietly(self._listener)
+        registry.unregister_server(self)
 
     async def wait_closed(self) -> None:
         tasks = [t for t in (self._accept_task, *self._handlers) if t is not None]

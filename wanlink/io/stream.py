@@ -149,22 +149,25 @@ class Stream:
         return chunks
 
     def abort(self) -> None:
-        """Stop both tasks and close the socket (no goodbye)."""
+        """Stop both tasks and close the socket (no goodbye) once they have let go of it."""
         self.alive = False
         current = asyncio.current_task()
-        for task in self._tasks:
-            if task is not current:
-                task.cancel()
-        close_quietly(self.sock)
+        stopping = [task for task in self._tasks if task is not current and not task.done()]
+        for task in stopping:
+            task.cancel()
+        if stopping:  # closing the fd under a pending sock_* call would break the loop's bookkeeping
+            asyncio.gather(*stopping, return_exceptions=True).add_done_callback(lambda _: close_quietly(self.sock))
+        else:
+            close_quietly(self.sock)
 
     async def close(self, grace: float) -> None:
         """Let the writer finish its frame and say goodbye (CLOSE, within ``grace`` s), then abort."""
         if self.alive and self._tasks:
             self.closing = True
             self.queue_control(CLOSE_FRAME)
-            try:
-                await asyncio.wait_for(asyncio.shield(self._tasks[1]), grace)
-            except asyncio.TimeoutError:
+            _done, late = await asyncio.wait({self._tasks[1]}, timeout=grace)
+            if late:
                 log.debug("stream %d: CLOSE not delivered within %.1f s", self.index, grace)
         self.abort()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        close_quietly(self.sock)

@@ -14,5 +14,5 @@ def unpack_message(payload: bytes, what: str = "control message"):
     """Decode one msgpack message whose length the caller already bounded; ProtocolError if malformed."""
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"malformed {what}: {exc}") from None

@@ -83,7 +83,7 @@ class ClientHandshake:
                  *, nonce: bytes | None = None, limits: Limits = DEFAULT_LIMITS):
         if not 0 <= index < count <= limits.max_streams:
             raise ConfigError(f"stream index {index} / count {count} invalid (max {limits.max_streams} streams)")
-        meta_bytes = pack_message(meta or {}) if index == 0 else b""
+        meta_bytes = pack_message(meta) if index == 0 and meta else b""
         limits.check("max_meta_size", len(meta_bytes), "handshake metadata")
         self._secret = secret
         self._hello = HELLO.pack(MAGIC, VERSION, 0, link_id, index, count, nonce or os.urandom(NONCE_SIZE),

@@ -1,0 +1,36 @@
+import asyncio
+
+import pytest_asyncio
+
+import wanlink
+
+SECRET = b"test-secret"
+
+
+class Pair:
+    """A server and a connected client link, with the server's side of the link."""
+
+    def __init__(self, server, client, accepted):
+        self.server, self.client, self.accepted = server, client, accepted
+
+    async def close(self):
+        await self.client.close()
+        await self.accepted.close()
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def open_pair(streams=4, *, port=None, server_options=None, **client_options) -> Pair:
+    links: asyncio.Queue = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, **(server_options or {}))
+    client = await wanlink.connect("127.0.0.1", port or server.port, streams=streams, secret=SECRET,
+                                   **client_options)
+    accepted = await asyncio.wait_for(links.get(), 10)
+    return Pair(server, client, accepted)
+
+
+@pytest_asyncio.fixture
+async def pair():
+    p = await open_pair()
+    yield p
+    await p.close()

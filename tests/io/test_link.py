@@ -1,0 +1,380 @@
+"""Striped links over loopback: sizes, stream counts, ordering, faults. Each test runs on asyncio and uvloop."""
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import wanlink
+from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, MessageSizeError, PeerLost, ProtocolError
+from wanlink.io.link import PROBE_DISCARD_TAG
+from wanlink.proto.frames import data_header
+from wanlink.proto.limits import Limits
+from tests.io.conftest import SECRET, open_pair
+from tests.support.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.asyncio
+MiB = 1024 * 1024
+
+
+def pattern(size: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("streams", [1, 4, 16])
+@pytest.mark.parametrize("size", [0, 1, 16 * 1024 + 1, 64 * MiB])
+async def test_sizes_and_stream_counts_arrive_identical(streams, size):
+    p = await open_pair(streams)
+    try:
+        data = pattern(size, seed=size)
+        out = bytearray(size)
+        sent, received = await asyncio.gather(p.client.send(data, tag=1), p.accepted.recv_into(out, tag=1))
+        assert received == size and out == data
+        if size >= 64 * MiB and streams > 1:
+            per_stream = p.client.stats()["chunks_sent_per_stream"]
+            assert sum(per_stream) == 64 and sum(1 for n in per_stream if n) > 1  # striped, not one stream
+    finally:
+        await p.close()
+
+
+async def test_both_directions_at_once_and_numpy_buffers(pair):
+    a = np.arange(3 * MiB // 8, dtype=np.float64)
+    b = np.arange(MiB // 4, dtype=np.int32)[::-1].copy()
+    got_a, got_b = np.empty_like(a), np.empty_like(b)
+    await asyncio.gather(pair.client.send(a, tag=1), pair.accepted.send(b, tag=1),
+                         pair.accepted.recv_into(got_a, tag=1), pair.client.recv_into(got_b, tag=1))
+    np.testing.assert_array_equal(got_a, a)
+    np.testing.assert_array_equal(got_b, b)
+
+
+async def test_messages_on_one_tag_match_in_order_and_early_data_waits(pair):
+    await asyncio.gather(*(pair.client.send(bytes([i]) * 1000, tag=9) for i in range(5)))
+    assert pair.accepted.stats()["unexpected_bytes_held"] == 5000
+    outs = [bytearray(1000) for _ in range(5)]
+    for out in outs:
+        await pair.accepted.recv_into(out, tag=9)
+    assert [out[0] for out in outs] == list(range(5))
+    assert pair.accepted.stats()["unexpected_bytes_held"] == 0
+
+
+async def test_sends_leave_in_edf_order():
+    p = await open_pair(1, chunk_size=256 * 1024)
+    try:
+        deadlines = [7, 3, 9, 1, 5, 3]
+        outs = {tag: bytearray(MiB) for tag in range(len(deadlines))}
+        finished = []
+        receivers = []
+        for tag in outs:
+            task = asyncio.ensure_future(p.accepted.recv_into(outs[tag], tag=tag))
+            task.add_done_callback(lambda _t, tag=tag: finished.append(tag))
+            receivers.append(task)
+        await asyncio.sleep(0)
+        sends = [asyncio.ensure_future(p.client.send(pattern(MiB, tag), tag=tag, deadline=deadlines[tag]))
+                 for tag in outs]
+        await asyncio.gather(*sends, *receivers)
+        expected = sorted(outs, key=lambda tag: (deadlines[tag], tag))  # FIFO among equal deadlines
+        assert finished == expected
+        assert all(outs[tag] == pattern(MiB, tag) for tag in outs)
+    finally:
+        await p.close()
+
+
+async def test_wrong_secret_is_rejected_and_server_keeps_serving():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
+    try:
+        with pytest.raises(AuthenticationError, match="secret"):
+            await wanlink.connect("127.0.0.1", server.port, streams=2, secret=b"wrong", timeout=5)
+        good = await wanlink.connect("127.0.0.1", server.port, streams=2, secret=SECRET, timeout=5)
+        accepted = await asyncio.wait_for(links.get(), 5)
+        await asyncio.gather(good.send(b"hello", tag=1), accepted.recv_into(out := bytearray(5), tag=1))
+        assert out == b"hello" and server.rejected_streams == 2 and links.empty()
+        await good.close()
+        await accepted.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_stream_cut_mid_transfer_still_delivers_identical_bytes():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
+    proxy = await FaultProxy(server.port).start()
+    proxy.cut_after(1, 8 * MiB)  # stream 1 dies after carrying 8 MiB
+    try:
+        client = await wanlink.connect("127.0.0.1", proxy.port, streams=4, secret=SECRET, timeout=10)
+        accepted = await asyncio.wait_for(links.get(), 5)
+        data = pattern(64 * MiB, 3)
+        out = bytearray(len(data))
+        await asyncio.wait_for(asyncio.gather(client.send(data, tag=2), accepted.recv_into(out, tag=2)), 60)
+        assert out == data
+        assert client.streams_alive == 3
+        assert client.stats()["requeued_chunks"] + accepted.stats()["duplicate_chunks"] >= 0
+        assert client.stats()["streams_alive"] == 3
+        await client.close()
+        await accepted.close()
+    finally:
+        await proxy.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_cut_streams_requeue_unacked_chunks():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
+    proxy = await FaultProxy(server.port).start()
+    try:
+        client = await wanlink.connect("127.0.0.1", proxy.port, streams=2, secret=SECRET, timeout=10)
+        accepted = await asyncio.wait_for(links.get(), 5)
+        proxy.stall()  # chunks go out but no ack comes back
+        data = pattern(8 * MiB, 4)
+        out = bytearray(len(data))
+        transfer = asyncio.gather(client.send(data, tag=1), accepted.recv_into(out, tag=1))
+        await asyncio.sleep(0.2)
+        proxy.cut(0)
+        proxy.resume()
+        await asyncio.wait_for(transfer, 30)
+        assert out == data and client.stats()["requeued_chunks"] > 0 and client.streams_alive == 1
+        await client.close()
+        await accepted.close()
+    finally:
+        await proxy.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_all_streams_cut_fails_pending_operations_with_details():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
+    proxy = await FaultProxy(server.port).start()
+    try:
+        client = await wanlink.connect("127.0.0.1", proxy.port, streams=2, secret=SECRET, timeout=10)
+        accepted = await asyncio.wait_for(links.get(), 5)
+        pending_recv = asyncio.ensure_future(client.recv_into(bytearray(100), tag=42))
+        await asyncio.sleep(0.05)
+        proxy.cut(0)
+        proxy.cut(1)
+        with pytest.raises(PeerLost, match="tag 42: 0 of 100 bytes"):
+            await asyncio.wait_for(pending_recv, 10)
+        with pytest.raises(PeerLost):
+            await client.send(b"x", tag=1)
+        await client.close()
+        await accepted.close()
+    finally:
+        await proxy.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_silent_peer_times_out_instead_of_hanging():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, timeout=1.0)
+    proxy = await FaultProxy(server.port).start()
+    try:
+        client = await wanlink.connect("127.0.0.1", proxy.port, streams=2, secret=SECRET, timeout=1.0)
+        accepted = await asyncio.wait_for(links.get(), 5)
+        proxy.stall()
+        with pytest.raises(PeerLost, match="silent"):
+            await asyncio.wait_for(client.send(pattern(4 * MiB), tag=1), 10)
+        await client.close()
+        await accepted.close()
+    finally:
+        await proxy.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_killed_peer_process_gives_an_error_not_a_hang():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, timeout=5.0)
+    script = textwrap.dedent(f"""
+        import asyncio, os, wanlink
+        async def main():
+            link = await wanlink.connect("127.0.0.1", {server.port}, streams=3, secret={SECRET!r})
+            await link.send(b"ready", tag=0)
+            await asyncio.sleep(60)
+        asyncio.run(main())
+    """)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    child = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        accepted = await asyncio.wait_for(links.get(), 30)
+        await accepted.recv_into(bytearray(5), tag=0)
+        pending = asyncio.ensure_future(accepted.recv_into(bytearray(10), tag=1))
+        child.kill()
+        with pytest.raises(PeerLost, match="tag 1"):
+            await asyncio.wait_for(pending, 10)
+        await accepted.close()
+    finally:
+        child.kill()
+        child.wait()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_malformed_frame_closes_only_that_link():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait,
+                                 limits=Limits(max_frame_payload=MiB * 4))
+    try:
+        bad = await wanlink.connect("127.0.0.1", server.port, streams=1, secret=SECRET)
+        bad_peer = await asyncio.wait_for(links.get(), 5)
+        good = await wanlink.connect("127.0.0.1", server.port, streams=1, secret=SECRET)
+        good_peer = await asyncio.wait_for(links.get(), 5)
+        pending = asyncio.ensure_future(bad_peer.recv_into(bytearray(8), tag=3))
+        await asyncio.sleep(0.01)
+        sock = bad._streams[0].sock  # write a frame that breaks a limit, bypassing the sender's checks
+        await asyncio.get_running_loop().sock_sendall(sock, data_header(3, 0, 64 * MiB, 0, 8 * MiB))
+        with pytest.raises(PeerLost) as info:
+            await asyncio.wait_for(pending, 10)
+        assert isinstance(info.value.__cause__, LimitExceeded) and "max_frame_payload" in str(info.value)
+        await asyncio.gather(good.send(b"still fine", tag=1), good_peer.recv_into(out := bytearray(10), tag=1))
+        assert out == b"still fine"
+        for link in (bad, bad_peer, good, good_peer):
+            await link.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_garbage_instead_of_handshake_is_dropped_and_server_survives():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, timeout=2)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
+        try:
+            answer = await asyncio.wait_for(reader.read(), 5)
+        except ConnectionResetError:  # closed with our unread bytes pending
+            answer = b""
+        assert answer == b""  # dropped without a reply
+        writer.close()
+        link = await wanlink.connect("127.0.0.1", server.port, streams=1, secret=SECRET)
+        peer = await asyncio.wait_for(links.get(), 5)
+        await link.close()
+        await peer.close()
+        assert server.rejected_streams == 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_message_size_mismatch_raises_and_link_survives(pair):
+    with pytest.raises(MessageSizeError, match="100 bytes but the posted buffer has 50"):
+        await asyncio.gather(pair.client.send(bytes(100), tag=1), pair.accepted.recv_into(bytearray(50), tag=1))
+    await asyncio.gather(pair.client.send(b"ok", tag=1), pair.accepted.recv_into(out := bytearray(2), tag=1))
+    assert out == b"ok"
+
+
+async def test_unexpected_data_beyond_limit_fails_the_link():
+    p = await open_pair(2, server_options={"limits": Limits(max_unexpected_bytes=2 * MiB)})
+    try:
+        with pytest.raises(PeerLost):
+            await asyncio.wait_for(p.client.send(bytes(4 * MiB), tag=5), 10)
+        assert isinstance(p.accepted.error, LimitExceeded)
+    finally:
+        await p.close()
+
+
+async def test_cancelled_recv_hands_the_message_to_the_next_recv(pair):
+    waiting = asyncio.ensure_future(pair.accepted.recv_into(bytearray(3), tag=4))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    await pair.client.send(b"abc", tag=4)
+    out = bytearray(3)
+    await pair.accepted.recv_into(out, tag=4)
+    assert out == b"abc"
+
+
+async def test_discard_tag_control_messages_and_stats(pair):
+    await pair.client.send(bytes(3 * MiB), tag=PROBE_DISCARD_TAG)
+    await pair.client.send_control({"op": "hello", "n": [1, 2]})
+    assert await asyncio.wait_for(pair.accepted.recv_control(), 5) == {"op": "hello", "n": [1, 2]}
+    stats = wanlink.stats()
+    mine = stats[pair.client.name]
+    assert mine["streams"] == 4 and mine["streams_alive"] == 4 and mine["bytes_sent"] >= 3 * MiB
+    assert sum(mine["chunks_sent_per_stream"]) == 3
+    assert pair.accepted.stats()["unexpected_bytes_held"] == 0
+
+
+async def test_compression_and_checksums():
+    p = await open_pair(2, compress=True, checksum=True)
+    try:
+        data = b"wanlink " * MiB
+        out = bytearray(len(data))
+        await asyncio.gather(p.client.send(data, tag=1), p.accepted.recv_into(out, tag=1))
+        assert out == data and p.client.stats()["bytes_sent"] < len(data) // 4
+    finally:
+        await p.close()
+
+
+async def test_closed_link_fails_pending_and_new_operations(pair):
+    pending = asyncio.ensure_future(pair.client.recv_into(bytearray(1), tag=1))
+    await asyncio.sleep(0.01)
+    await pair.client.close()
+    with pytest.raises(PeerLost, match="closed locally"):
+        await pending
+    with pytest.raises(PeerLost):
+        await pair.client.send(b"x", tag=1)
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(pair.accepted.recv_into(bytearray(1), tag=1), 10)
+
+
+async def test_bad_arguments_are_config_errors(pair):
+    with pytest.raises(ConfigError, match="reserved"):
+        await pair.client.send(b"x", tag=-5)
+    with pytest.raises(ConfigError, match="tag must be an int"):
+        await pair.client.send(b"x", tag="a")
+    with pytest.raises(ConfigError, match="writable"):
+        await pair.client.recv_into(b"immutable", tag=1)
+    with pytest.raises(ConfigError, match="contiguous"):
+        await pair.client.send(np.arange(10)[::2], tag=1)
+    with pytest.raises(ConfigError, match="buffer"):
+        await pair.client.send(12, tag=1)
+    with pytest.raises(ConfigError, match="streams"):
+        await wanlink.connect("127.0.0.1", pair.server.port, streams=0, secret=SECRET)
+
+
+async def test_unreachable_port_is_a_clear_connection_error():
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=lambda link: None)
+    port = server.port
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(PeerLost, match=f"cannot connect to 127.0.0.1:{port}"):
+        await wanlink.connect("127.0.0.1", port, streams=2, secret=SECRET, timeout=5)
+
+
+async def test_port_in_use_is_reported():
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=lambda link: None)
+    try:
+        with pytest.raises(OSError, match="cannot listen"):
+            await wanlink.serve("127.0.0.1", server.port, secret=SECRET, on_link=lambda link: None)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_failing_on_link_callback_closes_that_link_only():
+    calls = []
+
+    async def on_link(link):
+        calls.append(link)
+        if len(calls) == 1:
+            raise RuntimeError("application bug")
+
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=on_link)
+    try:
+        first = await wanlink.connect("127.0.0.1", server.port, streams=1, secret=SECRET)
+        with pytest.raises(PeerLost):
+            await asyncio.wait_for(first.recv_into(bytearray(1), tag=1), 10)
+        second = await wanlink.connect("127.0.0.1", server.port, streams=1, secret=SECRET)
+        await asyncio.wait_for(second.send(b"x", tag=1), 10)  # acked by the second link's peer
+        await first.close()
+        await second.close()
+        await calls[1].close()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -1,0 +1,101 @@
+"""The process's event-loop thread: futures for synchronous callers, clean shutdown, no leaks."""
+import asyncio
+import os
+import threading
+
+import pytest
+
+import wanlink
+from wanlink.errors import DeadlineExceeded
+from wanlink.io.runtime import Runtime, get_runtime, shutdown_runtime
+from tests.io.conftest import open_pair
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wanlink_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "wanlink-io"]
+
+
+async def _transfer():
+    pair = await open_pair(4)
+    out = bytearray(3_000_000)
+    await asyncio.gather(pair.client.send(b"z" * len(out), tag=1), pair.accepted.recv_into(out, tag=1))
+    await pair.close()
+    return bytes(out)
+
+
+def test_synchronous_transfer_then_clean_shutdown_leaks_nothing():
+    get_runtime().run(_transfer(), timeout=30)  # warm-up: libuv keeps one process-wide signal pipe
+    shutdown_runtime()
+    fds_before = open_fds()
+    threads_before = threading.active_count()
+    runtime = get_runtime()
+    assert get_runtime() is runtime and len(wanlink_threads()) == 1
+    future = runtime.submit(_transfer())
+    assert future.result(30) == b"z" * 3_000_000
+    shutdown_runtime()
+    assert wanlink_threads() == []
+    assert threading.active_count() == threads_before
+    assert open_fds() == fds_before
+
+
+def test_shutdown_with_open_links_cancels_and_closes_everything():
+    get_runtime().run(_transfer(), timeout=30)
+    shutdown_runtime()
+    fds_before = open_fds()
+    runtime = get_runtime()
+    pair = runtime.run(open_pair(2), timeout=30)
+    pending = runtime.submit(pair.client.recv_into(bytearray(10), tag=1))
+    shutdown_runtime()
+    assert pending.cancelled() or pending.exception() is not None
+    assert not runtime.running and wanlink_threads() == []
+    assert pair.client.closed and pair.accepted.closed
+    assert open_fds() == fds_before  # links and server the application never closed were closed
+
+
+def test_run_times_out_with_deadline_exceeded():
+    runtime = Runtime()
+    try:
+        with pytest.raises(DeadlineExceeded):
+            runtime.run(asyncio.sleep(10), timeout=0.1)
+        assert runtime.run(asyncio.sleep(0, result=5)) == 5
+    finally:
+        runtime.close()
+    assert not runtime.running
+    with pytest.raises(RuntimeError, match="shut down"):
+        runtime.submit(asyncio.sleep(0))
+
+
+def test_run_from_the_loop_thread_is_refused():
+    runtime = Runtime()
+    try:
+        async def nested():
+            return runtime.run(asyncio.sleep(0))
+
+        with pytest.raises(RuntimeError, match="deadlock"):
+            runtime.run(nested(), timeout=5)
+    finally:
+        runtime.close()
+
+
+def test_streams_from_environment(monkeypatch):
+    from wanlink.errors import ConfigError
+    from wanlink.io.link import stream_count_from
+
+    monkeypatch.setenv("WANLINK_STREAMS", "8")
+    assert stream_count_from(None) == 8
+    assert stream_count_from(2) == 2
+    monkeypatch.setenv("WANLINK_STREAMS", "auto")
+    assert stream_count_from(None) is None
+    monkeypatch.setenv("WANLINK_STREAMS", "many")
+    with pytest.raises(ConfigError):
+        stream_count_from(None)
+
+
+def test_public_api_is_importable_lazily():
+    assert callable(wanlink.connect) and callable(wanlink.serve) and callable(wanlink.stats)
+    with pytest.raises(AttributeError):
+        wanlink.not_a_thing

@@ -1,0 +1,193 @@
+"""Frame header encoding and the incremental decoder, fed bytes only."""
+import random
+import struct
+import zlib
+
+import lz4.block
+import pytest
+
+from wanlink.errors import LimitExceeded, ProtocolError
+from wanlink.proto.frames import (
+    CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, AckReceived, ChunkReceived, CloseReceived, ControlReceived,
+    Flags, FrameDecoder, FrameType, PingReceived, ack_header, control_header, data_header, parse_header,
+)
+from wanlink.proto.limits import Limits
+
+LIMITS = Limits(max_frame_payload=1 << 16, max_transfer_size=1 << 20, max_control_size=1024)
+
+
+class Sink:
+    """Places each chunk into one message buffer per (tag, seq), like the reassembler does."""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def place(self, header):
+        buf = self.buffers.setdefault((header.tag, header.seq), bytearray(header.total))
+        return memoryview(buf)[header.offset:header.offset + header.raw_len]
+
+
+def decoder():
+    sink = Sink()
+    return FrameDecoder(sink.place, LIMITS), sink
+
+
+def data_frame(tag, seq, total, offset, payload, **kw):
+    return data_header(tag, seq, total, offset, len(payload), **kw) + payload
+
+
+def test_header_round_trip():
+    raw = data_header(-5, 7, 1000, 200, 300, flags=Flags.CHECKSUM, checksum=0xDEADBEEF)
+    assert len(raw) == HEADER_SIZE == 44
+    header = parse_header(raw, LIMITS)
+    assert (header.type, header.tag, header.seq, header.total, header.offset, header.wire_len, header.raw_len,
+            header.checksum) == (FrameType.DATA, -5, 7, 1000, 200, 300, 300, 0xDEADBEEF)
+
+
+@pytest.mark.parametrize("split", [1, 3, 43, 44, 45, 1000])
+def test_fragmented_stream_decodes_identically(split):
+    payload_a = bytes(range(256)) * 4
+    payload_b = b"xyz"
+    wire = (data_frame(1, 0, 2048, 0, payload_a) + PING_FRAME + ack_header(2, 3, 10, 0, 10)
+            + data_frame(1, 0, 2048, 1024, payload_a) + control_header(3) + b"\x93\x01\x02\x03"[:3]
+            + data_frame(9, 1, 3, 0, payload_b) + CLOSE_FRAME)
+    dec, sink = decoder()
+    events = []
+    for start in range(0, len(wire), split):
+        events += dec.feed(wire[start:start + split])
+    kinds = [type(e) for e in events]
+    assert kinds == [ChunkReceived, PingReceived, AckReceived, ChunkReceived, ControlReceived, ChunkReceived,
+                     CloseReceived]
+    assert bytes(sink.buffers[(1, 0)]) == payload_a * 2
+    assert bytes(sink.buffers[(9, 1)]) == payload_b
+    assert events[2].header.tag == 2 and events[2].header.seq == 3
+
+
+def test_recv_into_style_buffer_then_advance_writes_payload_in_place():
+    dec, sink = decoder()
+    wire = data_frame(4, 0, 5, 0, b"hello")
+    target = dec.buffer()
+    assert len(target) == HEADER_SIZE
+    target[:] = wire[:HEADER_SIZE]
+    assert dec.advance(HEADER_SIZE) == []
+    target = dec.buffer()
+    assert len(target) == 5
+    assert target.obj is sink.buffers[(4, 0)]  # the payload goes straight to the destination
+    target[:] = b"hello"
+    [event] = dec.advance(5)
+    assert isinstance(event, ChunkReceived) and bytes(sink.buffers[(4, 0)]) == b"hello"
+
+
+def test_zero_length_message():
+    dec, sink = decoder()
+    [event] = dec.feed(data_header(3, 0, 0, 0, 0))
+    assert isinstance(event, ChunkReceived) and event.header.total == 0
+
+
+def test_lz4_and_checksum_payloads():
+    raw = b"abcd" * 1000
+    packed = lz4.block.compress(raw, store_size=False)
+    dec, sink = decoder()
+    wire = data_header(1, 0, len(raw), 0, len(packed), flags=Flags.LZ4 | Flags.CHECKSUM, raw_len=len(raw),
+                       checksum=zlib.crc32(raw)) + packed
+    [event] = dec.feed(wire)
+    assert bytes(sink.buffers[(1, 0)]) == raw
+
+
+def test_checksum_mismatch_is_a_protocol_error():
+    dec, _ = decoder()
+    with pytest.raises(ProtocolError, match="checksum"):
+        dec.feed(data_header(1, 0, 3, 0, 3, flags=Flags.CHECKSUM, checksum=zlib.crc32(b"abc") ^ 1) + b"abc")
+
+
+def test_corrupt_lz4_is_a_protocol_error():
+    dec, _ = decoder()
+    with pytest.raises(ProtocolError, match="lz4"):
+        dec.feed(data_header(1, 0, 100, 0, 5, flags=Flags.LZ4, raw_len=100) + b"\xff\xff\xff\xff\xff")
+
+
+def _fields(**changes):
+    base = dict(type=FrameType.DATA, flags=0, reserved=0, tag=1, seq=0, total=100, offset=0, wire_len=10,
+                raw_len=10, checksum=0)
+    base.update(changes)
+    return HEADER.pack(*base.values())
+
+
+@pytest.mark.parametrize("raw, error, match", [
+    (_fields(type=0), ProtocolError, "unknown frame type"),
+    (_fields(type=99), ProtocolError, "unknown frame type"),
+    (_fields(reserved=1), ProtocolError, "reserved"),
+    (_fields(flags=0x80), ProtocolError, "unknown frame flags"),
+    (_fields(total=(1 << 20) + 1), LimitExceeded, "max_transfer_size"),
+    (_fields(wire_len=(1 << 16) + 1, raw_len=(1 << 16) + 1, total=1 << 20), LimitExceeded, "max_frame_payload"),
+    (_fields(flags=Flags.LZ4, wire_len=(1 << 16) + 1, total=1 << 20), LimitExceeded, "max_frame_payload"),
+    (_fields(offset=95), ProtocolError, "outside message"),
+    (_fields(wire_len=9), ProtocolError, "wire_len"),
+    (_fields(checksum=5), ProtocolError, "checksum set without"),
+    (_fields(type=FrameType.ACK, wire_len=4), ProtocolError, "payload"),
+    (_fields(type=FrameType.PING, wire_len=1, raw_len=0), ProtocolError, "payload"),
+    (_fields(type=FrameType.CLOSE, flags=1, wire_len=0), ProtocolError, "flags"),
+    (_fields(type=FrameType.CONTROL, wire_len=1025, raw_len=1025), LimitExceeded, "max_control_size"),
+    (_fields(type=FrameType.ACK, wire_len=0, offset=95), ProtocolError, "outside"),
+])
+def test_every_malformed_field_is_rejected_before_payload(raw, error, match):
+    placed = []
+    dec = FrameDecoder(lambda h: placed.append(h) or memoryview(bytearray(h.raw_len)), LIMITS)
+    with pytest.raises(error, match=match) as info:
+        dec.feed(raw)
+    assert not placed  # nothing was allocated for a rejected frame
+    if error is LimitExceeded:
+        assert info.value.limit == match
+
+
+def test_limit_error_names_the_limit():
+    with pytest.raises(LimitExceeded) as info:
+        parse_header(_fields(total=1 << 30), LIMITS)
+    assert info.value.limit == "max_transfer_size" and info.value.maximum == 1 << 20
+    assert "max_transfer_size" in str(info.value)
+
+
+def test_advance_beyond_offered_buffer_is_refused():
+    dec, _ = decoder()
+    with pytest.raises(ValueError):
+        dec.advance(HEADER_SIZE + 1)
+
+
+def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():
+    rng = random.Random(1234)
+    valid = [data_frame(1, 0, 64, 0, bytes(64)), PING_FRAME, ack_header(1, 0, 64, 0, 64), control_header(2) + b"\x91\x01",
+             data_header(2, 0, 100, 0, 7, flags=Flags.LZ4, raw_len=100) + lz4.block.compress(bytes(100), store_size=False)[:7]]
+    for trial in range(3000):
+        if trial % 3 == 0:
+            blob = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200)))
+        else:
+            blob = bytearray(rng.choice(valid) * rng.randint(1, 3))
+            for _ in range(rng.randint(1, 6)):
+                blob[rng.randrange(len(blob))] = rng.getrandbits(8)
+            blob = bytes(blob)
+        dec, _ = decoder()
+        try:
+            for start in range(0, len(blob), rng.randint(1, 50)):
+                dec.feed(blob[start:start + 50])
+        except ProtocolError:
+            pass  # LimitExceeded is a ProtocolError too; anything else fails the test
+
+
+def test_fuzz_never_allocates_beyond_limits():
+    rng = random.Random(99)
+    sizes = []
+    dec_limits = Limits(max_frame_payload=4096, max_transfer_size=8192)
+
+    def place(header):
+        sizes.append(header.raw_len)
+        return memoryview(bytearray(header.raw_len))
+
+    for _ in range(2000):
+        length = rng.getrandbits(13)
+        raw = struct.pack("<BBHqIQQIII", 1, 0, 0, rng.getrandbits(63), rng.getrandbits(32), rng.getrandbits(14),
+                          rng.getrandbits(13), length, length, 0)
+        try:
+            FrameDecoder(place, dec_limits).feed(raw)
+        except ProtocolError:
+            pass
+    assert sizes and max(sizes) <= 4096

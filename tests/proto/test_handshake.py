@@ -1,0 +1,202 @@
+"""Stream handshake: mutual HMAC auth, replay resistance, malformed input (bytes only)."""
+import os
+import random
+
+import pytest
+
+from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, ProtocolError
+from wanlink.proto.handshake import (
+    CHALLENGE, HELLO, MAGIC, ClientHandshake, ServerHandshake, Status, normalize_secret,
+)
+from wanlink.proto.limits import Limits
+
+LINK_ID = bytes(range(16))
+
+
+def run(client: ClientHandshake, server: ServerHandshake):
+    """Shuttle messages between the two sides exactly as the I/O layer does."""
+    to_server = client.hello()
+    while True:
+        while server.bytes_wanted() and to_server:
+            wanted = server.bytes_wanted()
+            chunk, to_server = to_server[:wanted], to_server[wanted:]
+            reply = server.receive(chunk)
+            if reply:
+                break
+        else:
+            raise AssertionError("server wants more than the client sent")
+        answer = client.receive(reply)
+        if not client.bytes_wanted():
+            return
+        to_server = answer
+
+
+def test_successful_handshake_carries_stream_and_meta():
+    client = ClientHandshake(b"k", LINK_ID, 0, 4, {"rank": 3, "name": "a"})
+    server = ServerHandshake(b"k")
+    run(client, server)
+    assert client.accepted and server.done
+    assert server.stream.link_id == LINK_ID and server.stream.index == 0 and server.stream.count == 4
+    assert server.stream.meta == {"rank": 3, "name": "a"}
+
+
+def test_only_stream_zero_carries_meta():
+    client = ClientHandshake(b"k", LINK_ID, 2, 4, {"rank": 3})
+    server = ServerHandshake(b"k")
+    run(client, server)
+    assert server.stream.index == 2 and server.stream.meta == {}
+
+
+def test_client_detects_server_with_wrong_secret():
+    client = ClientHandshake(b"right", LINK_ID, 0, 1)
+    server = ServerHandshake(b"wrong")
+    challenge = server.receive(client.hello())
+    with pytest.raises(AuthenticationError, match="wrong secret"):
+        client.receive(challenge)
+
+
+def test_server_rejects_client_with_wrong_secret():
+    client = ClientHandshake(b"right", LINK_ID, 1, 2)
+    server = ServerHandshake(b"right")
+    challenge = server.receive(client.hello())
+    proof = client.receive(challenge)
+    forged = bytes(b ^ 1 for b in proof)
+    with pytest.raises(AuthenticationError):
+        server.receive(forged)
+    assert server.reject_bytes == bytes([Status.REJECTED])
+
+
+def test_recorded_proof_cannot_be_replayed_to_a_new_server_nonce():
+    client = ClientHandshake(b"k", LINK_ID, 1, 2, nonce=b"c" * 32)
+    first = ServerHandshake(b"k", nonce=b"1" * 32)
+    proof = client.receive(first.receive(client.hello()))
+    first.receive(proof)
+    assert first.done
+    replayed = ServerHandshake(b"k", nonce=b"2" * 32)  # attacker replays hello and proof
+    replayed.receive(client.hello())
+    with pytest.raises(AuthenticationError):
+        replayed.receive(proof)
+
+
+def test_recorded_challenge_cannot_be_replayed_to_a_new_client_nonce():
+    server = ServerHandshake(b"k", nonce=b"s" * 32)
+    old_client = ClientHandshake(b"k", LINK_ID, 1, 2, nonce=b"a" * 32)
+    recorded = server.receive(old_client.hello())
+    new_client = ClientHandshake(b"k", LINK_ID, 1, 2, nonce=b"b" * 32)
+    with pytest.raises(AuthenticationError):
+        new_client.receive(recorded)
+
+
+def test_proof_binds_stream_index():
+    client = ClientHandshake(b"k", LINK_ID, 1, 4)
+    hello = bytearray(client.hello())
+    hello[4 + 2 + 2 + 16:4 + 2 + 2 + 16 + 2] = (2).to_bytes(2, "little")  # attacker re-labels the stream
+    server = ServerHandshake(b"k")
+    challenge = server.receive(bytes(hello))
+    with pytest.raises(AuthenticationError):
+        client.receive(challenge)
+
+
+def _hello(**changes):
+    fields = dict(magic=MAGIC, version=1, flags=0, link_id=LINK_ID, index=0, count=2, nonce=os.urandom(32), meta_len=0)
+    fields.update(changes)
+    return HELLO.pack(*fields.values())
+
+
+@pytest.mark.parametrize("raw, error, match", [
+    (_hello(magic=b"HTTP"), ProtocolError, "magic"),
+    (_hello(version=2), ProtocolError, "version"),
+    (_hello(flags=1), ProtocolError, "flags"),
+    (_hello(count=65), LimitExceeded, "max_streams"),
+    (_hello(index=2, count=2), ProtocolError, "out of range"),
+    (_hello(count=0), ProtocolError, "out of range"),
+    (_hello(meta_len=5000), LimitExceeded, "max_meta_size"),
+    (_hello(index=1, meta_len=4), ProtocolError, "only stream 0"),
+])
+def test_malformed_hello_is_rejected(raw, error, match):
+    with pytest.raises(error, match=match):
+        ServerHandshake(b"k").receive(raw)
+
+
+@pytest.mark.parametrize("meta", [b"\xc1", b"\x91\x01", b"\x81"])
+def test_malformed_meta_is_rejected(meta):
+    server = ServerHandshake(b"k")
+    server.receive(_hello(meta_len=len(meta)))
+    with pytest.raises(ProtocolError, match="metadata"):
+        server.receive(meta)
+
+
+def test_wrong_message_size_is_refused():
+    with pytest.raises(ProtocolError):
+        ServerHandshake(b"k").receive(b"short")
+    client = ClientHandshake(b"k", LINK_ID, 0, 1)
+    with pytest.raises(ProtocolError):
+        client.receive(b"x" * 5)
+
+
+@pytest.mark.parametrize("status, error", [(Status.REJECTED, AuthenticationError), (Status.BUSY, ProtocolError),
+                                            (Status.BAD_STREAM, ProtocolError), (Status.VERSION_MISMATCH, ProtocolError)])
+def test_client_reports_server_refusal(status, error):
+    client = ClientHandshake(b"k", LINK_ID, 0, 1)
+    server = ServerHandshake(b"k")
+    server.receive(client.hello())
+    with pytest.raises(error, match="rejected"):
+        client.receive(server.reject(status))
+
+
+def test_client_reports_refusal_in_result_byte():
+    client = ClientHandshake(b"k", LINK_ID, 0, 1)
+    server = ServerHandshake(b"k")
+    client.receive(server.receive(client.hello()))
+    with pytest.raises(ProtocolError, match="inconsistent"):
+        client.receive(bytes([Status.BAD_STREAM]))
+
+
+def test_client_rejects_non_wanlink_server():
+    client = ClientHandshake(b"k", LINK_ID, 0, 1)
+    with pytest.raises(ProtocolError, match="not a wanlink server"):
+        client.receive(b"SSH-" + bytes(CHALLENGE.size - 4))
+
+
+def test_fuzzed_hello_only_raises_typed_errors():
+    rng = random.Random(7)
+    good = ClientHandshake(b"k", LINK_ID, 0, 3, {"a": 1}).hello()
+    for _ in range(2000):
+        blob = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            blob[rng.randrange(len(blob))] = rng.getrandbits(8)
+        server = ServerHandshake(b"k")
+        try:
+            data = bytes(blob)
+            while server.bytes_wanted() and data and server.stream is None:
+                wanted = server.bytes_wanted()
+                server.receive(data[:wanted].ljust(wanted, b"\0"))
+                data = data[wanted:]
+        except ProtocolError:
+            pass
+
+
+def test_secret_normalisation(monkeypatch):
+    assert normalize_secret("abc") == b"abc"
+    assert normalize_secret(b"abc") == b"abc"
+    monkeypatch.setenv("WANLINK_SECRET", "fromenv")
+    assert normalize_secret(None) == b"fromenv"
+    monkeypatch.delenv("WANLINK_SECRET")
+    with pytest.raises(ConfigError, match="WANLINK_SECRET"):
+        normalize_secret(None)
+    with pytest.raises(ConfigError):
+        normalize_secret(123)
+
+
+def test_client_validates_its_own_arguments():
+    with pytest.raises(ConfigError):
+        ClientHandshake(b"k", LINK_ID, 4, 4)
+    with pytest.raises(LimitExceeded):
+        ClientHandshake(b"k", LINK_ID, 0, 1, {"x": "y" * 5000})
+
+
+def test_limits_validate_themselves():
+    with pytest.raises(ConfigError):
+        Limits(max_streams=0)
+    with pytest.raises(ConfigError):
+        Limits(max_streams=70000)

@@ -1,0 +1,148 @@
+"""Receiver bookkeeping: matching, staging, duplicates, size errors and limits (no sockets)."""
+import pytest
+
+from wanlink.errors import LimitExceeded, MessageSizeError, ProtocolError
+from wanlink.proto.frames import FrameType, Header
+from wanlink.proto.limits import Limits
+from wanlink.proto.reassembly import DISCARD_TAG, Reassembler
+
+
+def chunk(tag, seq, total, offset, length):
+    return Header(FrameType.DATA, 0, tag, seq, total, offset, length, length, 0)
+
+
+def deliver(r: Reassembler, header: Header, data: bytes):
+    view = r.place(header)
+    view[:] = data
+    return r.chunk_done(header)
+
+
+def test_posted_buffer_receives_chunks_in_any_order():
+    r = Reassembler()
+    buf = bytearray(10)
+    entry = r.post(5, memoryview(buf))
+    assert deliver(r, chunk(5, 0, 10, 6, 4), b"6789") is None
+    done = deliver(r, chunk(5, 0, 10, 0, 6), b"012345")
+    assert done is entry and entry.done and entry.error is None and bytes(buf) == b"0123456789"
+
+
+def test_message_before_post_is_staged_then_copied():
+    r = Reassembler()
+    deliver(r, chunk(1, 0, 4, 0, 4), b"abcd")
+    assert r.unexpected_bytes == 4
+    buf = bytearray(4)
+    entry = r.post(1, memoryview(buf))
+    assert entry.done and bytes(buf) == b"abcd" and r.unexpected_bytes == 0
+
+
+def test_partially_staged_message_completes_after_post():
+    r = Reassembler()
+    deliver(r, chunk(1, 0, 8, 0, 4), b"abcd")
+    buf = bytearray(8)
+    entry = r.post(1, memoryview(buf))
+    assert not entry.done
+    assert deliver(r, chunk(1, 0, 8, 4, 4), b"efgh") is entry
+    assert bytes(buf) == b"abcdefgh"
+
+
+def test_posts_match_messages_in_order_per_tag():
+    r = Reassembler()
+    first, second, other = bytearray(1), bytearray(1), bytearray(1)
+    e1, e2 = r.post(7, memoryview(first)), r.post(7, memoryview(second))
+    e3 = r.post(8, memoryview(other))
+    deliver(r, chunk(7, 1, 1, 0, 1), b"B")
+    deliver(r, chunk(8, 0, 1, 0, 1), b"C")
+    deliver(r, chunk(7, 0, 1, 0, 1), b"A")
+    assert (bytes(first), bytes(second), bytes(other)) == (b"A", b"B", b"C")
+    assert e1.done and e2.done and e3.done
+
+
+def test_duplicate_chunks_are_not_counted_twice_and_never_touch_finished_buffers():
+    r = Reassembler()
+    buf = bytearray(4)
+    r.post(1, memoryview(buf))
+    deliver(r, chunk(1, 0, 4, 0, 2), b"ab")
+    assert deliver(r, chunk(1, 0, 4, 0, 2), b"XX") is None  # re-sent chunk: scratch
+    assert bytes(buf[:2]) == b"ab"
+    deliver(r, chunk(1, 0, 4, 2, 2), b"cd")
+    buf[:] = b"user"  # the application reuses its buffer
+    assert deliver(r, chunk(1, 0, 4, 2, 2), b"ZZ") is None
+    assert bytes(buf) == b"user" and r.duplicate_chunks == 2
+
+
+def test_zero_size_message():
+    r = Reassembler()
+    entry = r.post(3, memoryview(bytearray(0)))
+    assert deliver(r, chunk(3, 0, 0, 0, 0), b"") is entry and entry.done
+
+
+def test_size_mismatch_fails_the_receive_and_drains_the_message():
+    r = Reassembler()
+    entry = r.post(1, memoryview(bytearray(3)))
+    done = deliver(r, chunk(1, 0, 8, 0, 4), b"abcd")
+    assert done is entry and isinstance(entry.error, MessageSizeError)
+    assert deliver(r, chunk(1, 0, 8, 4, 4), b"efgh") is None  # rest of it is dropped, not re-reported
+    ok = bytearray(2)
+    nxt = r.post(1, memoryview(ok))
+    deliver(r, chunk(1, 1, 2, 0, 2), b"hi")
+    assert nxt.done and bytes(ok) == b"hi"
+
+
+def test_size_mismatch_with_staged_message():
+    r = Reassembler()
+    deliver(r, chunk(1, 0, 4, 0, 4), b"abcd")
+    entry = r.post(1, memoryview(bytearray(5)))
+    assert entry.done and isinstance(entry.error, MessageSizeError) and r.unexpected_bytes == 0
+
+
+def test_unexpected_bytes_are_bounded():
+    r = Reassembler(Limits(max_unexpected_bytes=100))
+    deliver(r, chunk(1, 0, 60, 0, 10), bytes(10))
+    with pytest.raises(LimitExceeded) as info:
+        r.place(chunk(2, 0, 60, 0, 10))
+    assert info.value.limit == "max_unexpected_bytes"
+
+
+def test_pending_messages_are_bounded():
+    r = Reassembler(Limits(max_pending_transfers=2))
+    r.post(1, memoryview(bytearray(1)))
+    r.post(2, memoryview(bytearray(1)))
+    with pytest.raises(LimitExceeded, match="max_pending_transfers"):
+        r.place(chunk(3, 0, 1, 0, 1))
+
+
+def test_unpost_restages_and_next_post_gets_the_same_message():
+    r = Reassembler()
+    first = bytearray(4)
+    entry = r.post(1, memoryview(first))
+    deliver(r, chunk(1, 0, 4, 0, 2), b"ab")
+    r.unpost(entry)
+    assert r.unexpected_bytes == 4
+    second = bytearray(4)
+    again = r.post(1, memoryview(second))
+    deliver(r, chunk(1, 0, 4, 2, 2), b"cd")
+    assert again.done and bytes(second) == b"abcd" and bytes(first[2:]) == b"\0\0"
+
+
+def test_discard_tag_goes_to_scratch_and_other_negative_tags_are_errors():
+    r = Reassembler()
+    assert deliver(r, chunk(DISCARD_TAG, 0, 100, 0, 100), bytes(100)) is None
+    with pytest.raises(ProtocolError, match="reserved"):
+        r.place(chunk(-2, 0, 1, 0, 1))
+    with pytest.raises(ValueError):
+        r.post(-1, memoryview(bytearray(1)))
+
+
+def test_message_changing_size_is_a_protocol_error():
+    r = Reassembler()
+    r.place(chunk(1, 0, 8, 0, 4))
+    with pytest.raises(ProtocolError, match="changed size"):
+        r.place(chunk(1, 0, 9, 4, 4))
+
+
+def test_pending_lists_unfinished_posts():
+    r = Reassembler()
+    entry = r.post(1, memoryview(bytearray(2)))
+    assert r.pending() == [entry]
+    deliver(r, chunk(1, 0, 2, 0, 2), b"ok")
+    assert r.pending() == []
