@@ -1,0 +1,172 @@
+"""Loopback throughput: wanlink Links with N = 1, 2, 4, 8 streams against raw asyncio sockets.
+
+Sender (this process) and receiver (a child process) each run one event loop. The raw baseline
+is the fastest plain-Python path: ``loop.sock_sendall`` of the whole buffer against
+``loop.sock_recv_into`` into a preallocated buffer, then a 1-byte acknowledgement. wanlink's
+``send`` returns only once the receiver acknowledged every chunk, so both times cover delivery.
+
+    python3 dev.py bench bench/loopback_throughput.py [--size-mib 1024] [--streams 1 2 4 8] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import wanlink  # noqa: E402
+from bench.reporting import new_figure, print_table, save_figure, save_json  # noqa: E402
+from wanlink.io.runtime import new_event_loop  # noqa: E402
+
+MiB = 1024 * 1024
+SECRET = b"bench"
+
+
+def make_loop(kind: str):
+    return asyncio.new_event_loop() if kind == "asyncio" else new_event_loop()
+
+
+# -- receiver (child process) --------------------------------------------------------------------
+def receiver(pipe, mode: str, size: int, repeat: int, loop_kind: str) -> None:
+    loop = make_loop(loop_kind)
+    loop.run_until_complete(_raw_receiver(pipe, size, repeat) if mode == "raw" else _wanlink_receiver(pipe, size, repeat))
+    loop.close()
+
+
+async def _raw_receiver(pipe, size: int, repeat: int) -> None:
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    pipe.send(listener.getsockname()[1])
+    conn, _ = await loop.sock_accept(listener)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(bytearray(size))
+    for _ in range(repeat):
+        filled = 0
+        while filled < size:
+            n = await loop.sock_recv_into(conn, view[filled:])
+            if n == 0:
+                raise ConnectionError("sender went away")
+            filled += n
+        await loop.sock_sendall(conn, b"k")
+    conn.close()
+    listener.close()
+
+
+async def _wanlink_receiver(pipe, size: int, repeat: int) -> None:
+    links: asyncio.Queue = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
+    pipe.send(server.port)
+    link = await links.get()
+    target = bytearray(size)
+    for round_index in range(repeat):
+        await link.recv_into(target, tag=round_index)
+    await link.recv_into(bytearray(1), tag=1 << 40)  # sender is done: close after its goodbye
+    await link.close()
+    server.close()
+    await server.wait_closed()
+
+
+# -- sender (this process) -----------------------------------------------------------------------
+async def _raw_sender(port: int, payload: memoryview, repeat: int) -> list[float]:
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    times = []
+    ack = bytearray(1)
+    for _ in range(repeat):
+        start = time.perf_counter()
+        await loop.sock_sendall(sock, payload)
+        await loop.sock_recv_into(sock, ack)
+        times.append(time.perf_counter() - start)
+    sock.close()
+    return times
+
+
+async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: int) -> tuple[list[float], list]:
+    link = await wanlink.connect("127.0.0.1", port, streams=streams, secret=SECRET)
+    times = []
+    for round_index in range(repeat):
+        start = time.perf_counter()
+        await link.send(payload, tag=round_index)
+        times.append(time.perf_counter() - start)
+    per_stream = link.stats()["chunks_sent_per_stream"]
+    await link.send(b"x", tag=1 << 40)
+    await link.close()
+    return times, per_stream
+
+
+def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kind: str) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver, args=(child, mode, len(payload), repeat, loop_kind))
+    proc.start()
+    try:
+        port = parent.recv()
+        loop = make_loop(loop_kind)
+        try:
+            if mode == "raw":
+                times, per_stream = loop.run_until_complete(_raw_sender(port, payload, repeat)), [repeat]
+            else:
+                times, per_stream = loop.run_until_complete(_wanlink_sender(port, payload, repeat, streams))
+        finally:
+            loop.close()
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    rates = [8 * len(payload) / t / 1e9 for t in times]
+    return {"mode": mode, "streams": streams, "loop": loop_kind, "best_gbps": max(rates),
+            "median_gbps": statistics.median(rates), "seconds": times, "chunks_per_stream": per_stream}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--loops", nargs="+", default=["uvloop", "asyncio"], choices=["uvloop", "asyncio"])
+    parser.add_argument("--name", default="loopback_throughput")
+    args = parser.parse_args(argv)
+    payload = memoryview(os.urandom(MiB) * args.size_mib)
+    rows = []
+    for loop_kind in args.loops:
+        baseline = run_case("raw", 1, payload, args.repeat, loop_kind)
+        baseline["vs_raw"] = 1.0
+        rows.append(baseline)
+        for streams in args.streams:
+            row = run_case("wanlink", streams, payload, args.repeat, loop_kind)
+            row["vs_raw"] = row["median_gbps"] / baseline["median_gbps"]
+            rows.append(row)
+    print(f"loopback, {args.size_mib} MiB per transfer, {args.repeat} repetitions, chunk 1 MiB; load {os.getloadavg()[0]:.2f}")
+    print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("streams", "streams", "d"),
+                       ("median_gbps", "median Gb/s", ".2f"), ("best_gbps", "best Gb/s", ".2f"),
+                       ("vs_raw", "x raw", ".2f")])
+    save_json(args.name, {"size_mib": args.size_mib, "repeat": args.repeat, "rows": rows})
+    fig, ax = new_figure(figsize=(7, 4))
+    for loop_kind in args.loops:
+        mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink"]
+        raw = next(r for r in rows if r["loop"] == loop_kind and r["mode"] == "raw")
+        line = ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], marker="o",
+                       label=f"wanlink ({loop_kind})")[0]
+        ax.axhline(raw["median_gbps"], linestyle="--", color=line.get_color(), label=f"raw sock_sendall ({loop_kind})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("streams per link")
+    ax.set_ylabel("Gbit/s (median)")
+    ax.set_title(f"loopback, {args.size_mib} MiB transfers")
+    ax.legend(fontsize=8)
+    print("wrote", save_figure(fig, args.name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
