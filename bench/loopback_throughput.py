@@ -92,8 +92,9 @@ async def _raw_sender(port: int, payload: memoryview, repeat: int) -> list[float
     return times
 
 
-async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: int) -> tuple[list[float], list]:
-    link = await wanlink.connect("127.0.0.1", port, streams=streams, secret=SECRET)
+async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: int,
+                          chunk_size: int) -> tuple[list[float], list]:
+    link = await wanlink.connect("127.0.0.1", port, streams=streams, secret=SECRET, chunk_size=chunk_size)
     times = []
     for round_index in range(repeat):
         start = time.perf_counter()
@@ -105,7 +106,8 @@ async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: 
     return times, per_stream
 
 
-def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kind: str) -> dict:
+def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kind: str,
+             chunk_size: int = 1024 * 1024) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(child, mode, len(payload), repeat, loop_kind))
@@ -117,7 +119,8 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
             if mode == "raw":
                 times, per_stream = loop.run_until_complete(_raw_sender(port, payload, repeat)), [repeat]
             else:
-                times, per_stream = loop.run_until_complete(_wanlink_sender(port, payload, repeat, streams))
+                times, per_stream = loop.run_until_complete(
+                    _wanlink_sender(port, payload, repeat, streams, chunk_size))
         finally:
             loop.close()
         proc.join(60)
@@ -125,7 +128,8 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
         if proc.is_alive():
             proc.kill()
     rates = [8 * len(payload) / t / 1e9 for t in times]
-    return {"mode": mode, "streams": streams, "loop": loop_kind, "best_gbps": max(rates),
+    return {"mode": mode, "streams": streams, "loop": loop_kind, "chunk_kib": chunk_size // 1024 if mode != "raw" else "",
+            "best_gbps": max(rates),
             "median_gbps": statistics.median(rates), "seconds": times, "chunks_per_stream": per_stream}
 
 
@@ -135,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--loops", nargs="+", default=["uvloop", "asyncio"], choices=["uvloop", "asyncio"])
+    parser.add_argument("--chunk-kib", type=int, nargs="+", default=[1024],
+                        help="chunk sizes to compare (the default chunk size was chosen with 256 1024 4096)")
     parser.add_argument("--name", default="loopback_throughput")
     args = parser.parse_args(argv)
     payload = memoryview(os.urandom(MiB) * args.size_mib)
@@ -143,21 +149,24 @@ def main(argv: list[str] | None = None) -> int:
         baseline = run_case("raw", 1, payload, args.repeat, loop_kind)
         baseline["vs_raw"] = 1.0
         rows.append(baseline)
-        for streams in args.streams:
-            row = run_case("wanlink", streams, payload, args.repeat, loop_kind)
-            row["vs_raw"] = row["median_gbps"] / baseline["median_gbps"]
-            rows.append(row)
-    print(f"loopback, {args.size_mib} MiB per transfer, {args.repeat} repetitions, chunk 1 MiB; load {os.getloadavg()[0]:.2f}")
+        for chunk_kib in args.chunk_kib:
+            for streams in args.streams:
+                row = run_case("wanlink", streams, payload, args.repeat, loop_kind, chunk_kib * 1024)
+                row["vs_raw"] = row["median_gbps"] / baseline["median_gbps"]
+                rows.append(row)
+    print(f"loopback, {args.size_mib} MiB per transfer, {args.repeat} repetitions; load {os.getloadavg()[0]:.2f}")
     print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("streams", "streams", "d"),
+                       ("chunk_kib", "chunk KiB", ""),
                        ("median_gbps", "median Gb/s", ".2f"), ("best_gbps", "best Gb/s", ".2f"),
                        ("vs_raw", "x raw", ".2f")])
     save_json(args.name, {"size_mib": args.size_mib, "repeat": args.repeat, "rows": rows})
     fig, ax = new_figure(figsize=(7, 4))
     for loop_kind in args.loops:
-        mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink"]
         raw = next(r for r in rows if r["loop"] == loop_kind and r["mode"] == "raw")
-        line = ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], marker="o",
-                       label=f"wanlink ({loop_kind})")[0]
+        for chunk_kib in args.chunk_kib:
+            mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink" and r["chunk_kib"] == chunk_kib]
+            line = ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], marker="o",
+                           label=f"wanlink ({loop_kind}, {chunk_kib} KiB chunks)")[0]
         ax.axhline(raw["median_gbps"], linestyle="--", color=line.get_color(), label=f"raw sock_sendall ({loop_kind})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("streams per link")

@@ -8,8 +8,9 @@ from wanlink.errors import ConfigError, ProtocolError
 
 MIN_CHUNK_SIZE = 256 * 1024
 MAX_CHUNK_SIZE = 4 * 1024 * 1024
-# Measured by bench/chunk_size.py on loopback: 1 MiB is at the plateau; larger chunks only delay
-# the EDF reordering point and the first byte of a message, smaller ones cost Python overhead.
+# Chosen with `bench/loopback_throughput.py --chunk-kib 256 1024 4096` (docs/transport.md): 1 MiB
+# reaches the plateau; larger chunks only coarsen EDF pre-emption points and re-sends after a stream
+# dies, smaller ones cost per-chunk Python overhead.
 DEFAULT_CHUNK_SIZE = 1024 * 1024
 
 
