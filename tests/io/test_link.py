@@ -378,3 +378,26 @@ async def test_failing_on_link_callback_closes_that_link_only():
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_handshakes_in_progress_are_bounded():
+    links = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, timeout=5,
+                                 limits=Limits(max_handshakes=2))
+    idle = []
+    try:
+        for _ in range(2):  # two clients that connect and never speak
+            idle.append(await asyncio.open_connection("127.0.0.1", server.port))
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            answer = await asyncio.wait_for(reader.read(), 5)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b"" and server.rejected_streams == 1
+        writer.close()
+    finally:
+        for _reader, idle_writer in idle:
+            idle_writer.close()
+        server.close()
+        await server.wait_closed()

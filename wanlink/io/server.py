@@ -56,6 +56,12 @@ class Server:
                 log.error("wanlink: accept on port %d failed: %s", self.port, exc)
                 await asyncio.sleep(0.1)
                 continue
+            if len(self._handlers) >= self._limits.max_handshakes:
+                self.rejected_streams += 1
+                log.warning("wanlink: refused a connection: %d handshakes already in progress (max_handshakes)",
+                            len(self._handlers))
+                close_quietly(sock)
+                continue
             self._spawn(self.accept_socket(sock))
 
     def _spawn(self, coro) -> None:

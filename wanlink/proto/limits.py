@@ -23,6 +23,7 @@ class Limits:
     max_pending_control: int = 1024  # control messages not yet read by the application
     max_meta_size: int = 4 * KiB  # the metadata a client sends in its handshake
     max_pending_links: int = 64  # half-assembled links on a server
+    max_handshakes: int = 256  # streams a server authenticates at once (slow or idle clients)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
