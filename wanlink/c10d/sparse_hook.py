@@ -1,0 +1,226 @@
+"""DDP comm hook: block-sparse gradients with error feedback, per-layer EDF deadlines, optional staleness.
+
+    state = BlockSparseState(density=0.01, warmup_steps=50, staleness=1)
+    model.register_comm_hook(state, block_sparse_hook)
+
+Per bucket, every gradient tensor is sparsified by its own BlockSparsifier (error feedback kept per
+bucket, in the state), the bucket's block-COO frames are exchanged among all ranks in one
+all-gather over the group's links, and the peers' blocks are scatter-added into the bucket and
+averaged. Each exchange runs under an EDF deadline (iteration, -bucket index): DDP's last bucket
+holds the model's first layers, which the next forward pass needs first, so they leave first.
+
+With ``staleness=1`` (StellaTrain's partial staleness) the optimizer at step t applies the
+aggregated update of step t-1: the hook returns the previous step's result and lets this step's
+exchange overlap the next forward and backward. Call ``state.flush()`` before the last optimizer
+step and before checkpoints. With ``sparse_optimizer=True`` the hook leaves the dense gradients at
+zero and keeps the aggregated blocks for ``SparseSGD.step(sparse_grads=state.sparse_grads())``.
+"""
+# no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from wanlink.c10d.deadlines import deadline_scope
+from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, encoded_size, scatter_add_
+from wanlink.compress.sparsifier import target_blocks
+from wanlink.errors import ConfigError, UnsupportedError
+
+BLOCK = 16
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+
+
+class _BucketCodec:
+    """One bucket's sparsifiers and the layout of its message: one block-COO frame per gradient."""
+
+    def __init__(self, numels: list[int], density: float):
+        self.numels = numels
+        self.sparsifiers = [BlockSparsifier(n, density, BLOCK) for n in numels]
+        sizes = [encoded_size(s.k, BLOCK) for s in self.sparsifiers]
+        self.frame_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.message_size = int(self.frame_offsets[-1])
+        self.element_offsets = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+
+    def encode(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        message = torch.empty(self.message_size, dtype=torch.uint8)
+        raw = message.numpy()
+        for i, (sparsifier, grad) in enumerate(zip(self.sparsifiers, gradients)):
+            indices, values = sparsifier.compress(grad.detach().reshape(-1))
+            start, end = self.frame_offsets[i], self.frame_offsets[i + 1]
+            encode_blocks(indices.numpy(), values.numpy(), sparsifier.numel, block=BLOCK, out=raw[start:end])
+        return message
+
+    def frames(self, gathered: torch.Tensor, world: int):
+        """Per gradient, the decoded frames of every rank: [[BlockFrame per rank] per gradient]."""
+        raw = gathered.numpy().reshape(world, self.message_size)
+        per_gradient = []
+        for i, numel in enumerate(self.numels):
+            start, end = self.frame_offsets[i], self.frame_offsets[i + 1]
+            rank_frames = [decode_blocks(raw[r, start:end]) for r in range(world)]
+            for frame in rank_frames:
+                if frame.numel != numel or frame.block != BLOCK:
+                    raise ConfigError(f"a rank sent a frame for {frame.numel} elements where this bucket has {numel}: "
+                                      "ranks disagree on the model or the density")
+            per_gradient.append(rank_frames)
+        return per_gradient
+
+    def average_into(self, gathered: torch.Tensor, world: int, out: torch.Tensor) -> torch.Tensor:
+        out.zero_()
+        flat = out.numpy()
+        for i, rank_frames in enumerate(self.frames(gathered, world)):
+            start, end = self.element_offsets[i], self.element_offsets[i + 1]
+            scatter_add_(flat[start:end], [f.indices for f in rank_frames], [f.values for f in rank_frames],
+                         block=BLOCK)
+        return out.div_(world)
+
+    def average_sparse(self, gathered: torch.Tensor, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per gradient, the union of the ranks' blocks with their values summed and averaged."""
+        results = []
+        for rank_frames in self.frames(gathered, world):
+            indices = np.concatenate([f.indices for f in rank_frames])
+            values = np.concatenate([f.values.reshape(-1, BLOCK) for f in rank_frames])
+            unique, inverse = np.unique(indices, return_inverse=True)
+            summed = np.zeros((unique.shape[0], BLOCK), dtype=np.float32)
+            np.add.at(summed, inverse, values)
+            summed /= world
+            results.append((torch.from_numpy(unique.astype(np.int32)), torch.from_numpy(summed)))
+        return results
+
+
+class BlockSparseState:
+    """Configuration and per-bucket state of ``block_sparse_hook`` (error feedback, staleness)."""
+
+    def __init__(self, process_group=None, *, density: float = 0.01, warmup_steps: int = 0, staleness: int = 0,
+                 sparse_optimizer: bool = False):
+        if not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+            raise ConfigError(f"density must be in (0, 1], got {density!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if staleness not in (0, 1):
+            raise ConfigError(f"staleness must be 0 or 1 (never more than one step stale), got {staleness!r}")
+        self.process_group = process_group
+        self.density = float(density)
+        self.warmup_steps = warmup_steps
+        self.staleness = staleness
+        self.sparse_optimizer = sparse_optimizer
+        self.iteration = 0
+        self.bytes_sent = 0
+        self._codecs: dict[int, _BucketCodec] = {}
+        self._bucket_params: dict[int, list[torch.Tensor]] = {}
+        self._in_flight: dict[int, torch.futures.Future] = {}  # staleness: last step's exchange per bucket
+        self._sparse_grads: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- used by the hook ------------------------------------------------------------------------
+    def codec_for(self, index: int, gradients: list[torch.Tensor]) -> _BucketCodec:
+        numels = [g.numel() for g in gradients]
+        codec = self._codecs.get(index)
+        if codec is None or codec.numels != numels:  # first use, or DDP rebuilt its buckets
+            codec = _BucketCodec(numels, self.density)
+            self._codecs[index] = codec
+        return codec
+
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    # -- public ------------------------------------------------------------------------------------
+    def sparse_grads(self) -> dict:
+        """Parameter -> (block indices, values) of the last aggregated step, for SparseSGD.step()."""
+        if not self.sparse_optimizer:
+            raise ConfigError("sparse_grads() needs BlockSparseState(sparse_optimizer=True)")
+        return dict(self._sparse_grads)
+
+    def flush(self) -> bool:
+        """Wait for the step still in flight (staleness 1) and put its result where the optimizer reads it.
+
+        Dense mode writes the aggregated gradients into the parameters' ``.grad``; sparse-optimizer
+        mode refreshes ``sparse_grads()``. Returns True when there was a step to apply: then call
+        the optimizer's ``step`` once more. Needed at the end of training and before checkpoints.
+        """
+        if not self._in_flight:
+            return False
+        pending, self._in_flight = self._in_flight, {}
+        for index, future in sorted(pending.items()):
+            aggregated = future.wait()
+            if not self.sparse_optimizer:
+                offset = 0
+                for param in self._bucket_params[index]:
+                    n = param.numel()
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    param.grad.copy_(aggregated[offset:offset + n].view_as(param))
+                    offset += n
+        return True
+
+    def state_dict(self) -> dict:
+        """Error-feedback residuals and thresholds per bucket, and the step counter. Flush first."""
+        if self._in_flight:
+            raise ConfigError("a step is still in flight: call flush() and step the optimizer before checkpointing")
+        return {"iteration": self.iteration, "density": self.density,
+                "buckets": {index: [s.state_dict() for s in codec.sparsifiers] for index, codec in self._codecs.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iteration = int(state["iteration"])
+        self._codecs = {}
+        for index, sparsifier_states in state["buckets"].items():
+            codec = _BucketCodec([s["numel"] for s in sparsifier_states], self.density)
+            for sparsifier, saved in zip(codec.sparsifiers, sparsifier_states):
+                sparsifier.load_state_dict(saved)
+            self._codecs[int(index)] = codec
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future:
+    future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _dense_average(state: BlockSparseState, buffer: torch.Tensor) -> torch.futures.Future:
+    world = state.world_size()
+    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda _f: buffer.div_(world))
+
+
+def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook (``model.register_comm_hook(state, block_sparse_hook)``); see the module docs."""
+    index = bucket.index()
+    buffer = bucket.buffer()
+    if buffer.dtype != torch.float32 or buffer.device.type != "cpu":
+        raise UnsupportedError(f"block_sparse_hook needs float32 CPU gradients, got {buffer.dtype} on {buffer.device}")
+    iteration = state.iteration
+    if bucket.is_last():
+        state.iteration += 1
+    state._bucket_params[index] = list(bucket.parameters())
+    if iteration < state.warmup_steps:
+        return _dense_average(state, buffer)
+
+    gradients = bucket.gradients()
+    codec = state.codec_for(index, gradients)
+    message = codec.encode(gradients)
+    world = state.world_size()
+    gathered = torch.empty(world * codec.message_size, dtype=torch.uint8)
+    with deadline_scope((iteration, -index)):
+        work = _all_gather_single(gathered, message, group=state.process_group, async_op=True)
+    state.bytes_sent += message.numel() * (world - 1)
+    params = state._bucket_params[index]
+
+    if state.sparse_optimizer:
+        def finish(_future):
+            for param, result in zip(params, codec.average_sparse(gathered, world)):
+                state._sparse_grads[param] = result
+            return torch.zeros_like(buffer)
+    elif state.staleness:
+        target = torch.empty_like(buffer)  # the bucket buffer belongs to the next step by then
+
+        def finish(_future):
+            return codec.average_into(gathered, world, target)
+    else:
+        def finish(_future):
+            return codec.average_into(gathered, world, buffer)
+
+    exchange = work.get_future().then(finish)
+    if not state.staleness:
+        return exchange
+    previous = state._in_flight.get(index)
+    state._in_flight[index] = exchange
+    if previous is None:  # first sparse step: nothing aggregated yet, this step applies no update
+        return _completed(torch.zeros_like(buffer))
+    return previous
