@@ -72,11 +72,13 @@ async def test_sends_leave_in_edf_order():
             task.add_done_callback(lambda _t, tag=tag: finished.append(tag))
             receivers.append(task)
         await asyncio.sleep(0)
+        log = p.client.record_send_order()
         sends = [asyncio.ensure_future(p.client.send(pattern(MiB, tag), tag=tag, deadline=deadlines[tag]))
                  for tag in outs]
         await asyncio.gather(*sends, *receivers)
         expected = sorted(outs, key=lambda tag: (deadlines[tag], tag))  # FIFO among equal deadlines
         assert finished == expected
+        assert [tag for tag, _seq, _offset in log] == [tag for tag in expected for _chunk in range(4)]
         assert all(outs[tag] == pattern(MiB, tag) for tag in outs)
     finally:
         await p.close()

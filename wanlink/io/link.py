@@ -106,6 +106,12 @@ class Link:
         self._closing = False
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
+        self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
+
+    def record_send_order(self, maxlen: int = 100_000) -> collections.deque:
+        """Start logging the order in which chunks leave (for tests and tracing); returns the log."""
+        self.send_log = collections.deque(maxlen=maxlen)
+        return self.send_log
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Link":

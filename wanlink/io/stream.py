@@ -106,6 +106,8 @@ class Stream:
     async def _send_chunk(self, chunk: Chunk) -> None:
         transfer = chunk.transfer
         self.in_flight[(transfer.tag, transfer.seq, chunk.offset)] = chunk
+        if self.link.send_log is not None:
+            self.link.send_log.append((transfer.tag, transfer.seq, chunk.offset))
         payload = chunk.view
         flags = 0
         checksum = 0
