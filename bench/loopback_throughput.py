@@ -33,11 +33,18 @@ def make_loop(kind: str):
     return asyncio.new_event_loop() if kind == "asyncio" else new_event_loop()
 
 
+class _cpu_seconds:
+    """CPU seconds this process spent inside the timed transfers (receiver: from first byte to last)."""
+
+    total = 0.0
+
+
 # -- receiver (child process) --------------------------------------------------------------------
 def receiver(pipe, mode: str, size: int, repeat: int, loop_kind: str) -> None:
     loop = make_loop(loop_kind)
     loop.run_until_complete(_raw_receiver(pipe, size, repeat) if mode == "raw" else _wanlink_receiver(pipe, size, repeat))
     loop.close()
+    pipe.send(_cpu_seconds.total)
 
 
 async def _raw_receiver(pipe, size: int, repeat: int) -> None:
@@ -50,11 +57,15 @@ async def _raw_receiver(pipe, size: int, repeat: int) -> None:
     view = memoryview(bytearray(size))
     for _ in range(repeat):
         filled = 0
+        cpu = None
         while filled < size:
             n = await loop.sock_recv_into(conn, view[filled:])
             if n == 0:
                 raise ConnectionError("sender went away")
+            if cpu is None:
+                cpu = time.process_time()
             filled += n
+        _cpu_seconds.total += time.process_time() - cpu
         await loop.sock_sendall(conn, b"k")
     conn.close()
     listener.close()
@@ -67,7 +78,9 @@ async def _wanlink_receiver(pipe, size: int, repeat: int) -> None:
     link = await links.get()
     target = bytearray(size)
     for round_index in range(repeat):
-        await link.recv_into(target, tag=round_index)
+        cpu = time.process_time()
+        await link.recv_into(target, tag=round_index)  # includes the idle wait for the first byte
+        _cpu_seconds.total += time.process_time() - cpu
     await link.recv_into(bytearray(1), tag=1 << 40)  # sender is done: close after its goodbye
     await link.close()
     server.close()
@@ -84,10 +97,11 @@ async def _raw_sender(port: int, payload: memoryview, repeat: int) -> list[float
     times = []
     ack = bytearray(1)
     for _ in range(repeat):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await loop.sock_sendall(sock, payload)
         await loop.sock_recv_into(sock, ack)
         times.append(time.perf_counter() - start)
+        _cpu_seconds.total += time.process_time() - cpu
     sock.close()
     return times
 
@@ -97,9 +111,10 @@ async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: 
     link = await wanlink.connect("127.0.0.1", port, streams=streams, secret=SECRET, chunk_size=chunk_size)
     times = []
     for round_index in range(repeat):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await link.send(payload, tag=round_index)
         times.append(time.perf_counter() - start)
+        _cpu_seconds.total += time.process_time() - cpu
     per_stream = link.stats()["chunks_sent_per_stream"]
     await link.send(b"x", tag=1 << 40)
     await link.close()
@@ -114,6 +129,7 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
     proc.start()
     try:
         port = parent.recv()
+        _cpu_seconds.total = 0.0
         loop = make_loop(loop_kind)
         try:
             if mode == "raw":
@@ -123,14 +139,17 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
                     _wanlink_sender(port, payload, repeat, streams, chunk_size))
         finally:
             loop.close()
+        receiver_cpu = parent.recv() if parent.poll(60) else float("nan")
         proc.join(60)
     finally:
         if proc.is_alive():
             proc.kill()
     rates = [8 * len(payload) / t / 1e9 for t in times]
+    gib = len(payload) * repeat / 2**30
     return {"mode": mode, "streams": streams, "loop": loop_kind, "chunk_kib": chunk_size // 1024 if mode != "raw" else "",
             "best_gbps": max(rates),
-            "median_gbps": statistics.median(rates), "seconds": times, "chunks_per_stream": per_stream}
+            "median_gbps": statistics.median(rates), "seconds": times, "chunks_per_stream": per_stream,
+            "sender_cpu_s_per_gib": _cpu_seconds.total / gib, "receiver_cpu_s_per_gib": receiver_cpu / gib}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("streams", "streams", "d"),
                        ("chunk_kib", "chunk KiB", ""),
                        ("median_gbps", "median Gb/s", ".2f"), ("best_gbps", "best Gb/s", ".2f"),
-                       ("vs_raw", "x raw", ".2f")])
+                       ("vs_raw", "x raw", ".2f"), ("sender_cpu_s_per_gib", "send CPU s/GiB", ".3f"),
+                       ("receiver_cpu_s_per_gib", "recv CPU s/GiB", ".3f")])
     save_json(args.name, {"size_mib": args.size_mib, "repeat": args.repeat, "rows": rows})
     fig, ax = new_figure(figsize=(7, 4))
     for loop_kind in args.loops:
