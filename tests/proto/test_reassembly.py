@@ -95,12 +95,36 @@ def test_size_mismatch_with_staged_message():
     assert entry.done and isinstance(entry.error, MessageSizeError) and r.unexpected_bytes == 0
 
 
-def test_unexpected_bytes_are_bounded():
+def test_unexpected_bytes_are_bounded_by_what_actually_arrived():
     r = Reassembler(Limits(max_unexpected_bytes=100))
-    deliver(r, chunk(1, 0, 60, 0, 10), bytes(10))
+    deliver(r, chunk(1, 0, 1000, 0, 60), bytes(60))  # announcing a large message allocates nothing
+    assert r.unexpected_bytes == 60
+    deliver(r, chunk(2, 0, 40, 0, 40), bytes(40))
     with pytest.raises(LimitExceeded) as info:
-        r.place(chunk(2, 0, 60, 0, 10))
+        r.place(chunk(1, 0, 1000, 60, 1))
     assert info.value.limit == "max_unexpected_bytes"
+
+
+def test_late_post_copies_only_the_early_chunks():
+    r = Reassembler()
+    deliver(r, chunk(1, 0, 12, 4, 4), b"efgh")
+    assert r.unexpected_bytes == 4
+    buf = bytearray(12)
+    entry = r.post(1, memoryview(buf))
+    assert r.unexpected_bytes == 0 and bytes(buf) == b"\0" * 4 + b"efgh" + b"\0" * 4
+    deliver(r, chunk(1, 0, 12, 0, 4), b"abcd")
+    assert deliver(r, chunk(1, 0, 12, 8, 4), b"ijkl") is entry
+    assert bytes(buf) == b"abcdefghijkl"
+
+
+def test_chunk_cut_off_before_completion_is_not_copied_at_post():
+    r = Reassembler()
+    r.place(chunk(1, 0, 8, 0, 4))[:2] = b"ab"  # its stream died mid-chunk: never chunk_done
+    deliver(r, chunk(1, 0, 8, 4, 4), b"efgh")
+    buf = bytearray(8)
+    entry = r.post(1, memoryview(buf))
+    assert bytes(buf) == b"\0" * 4 + b"efgh" and r.unexpected_bytes == 0
+    assert deliver(r, chunk(1, 0, 8, 0, 4), b"abcd") is entry and bytes(buf) == b"abcdefgh"
 
 
 def test_pending_messages_are_bounded():
@@ -117,7 +141,7 @@ def test_unpost_restages_and_next_post_gets_the_same_message():
     entry = r.post(1, memoryview(first))
     deliver(r, chunk(1, 0, 4, 0, 2), b"ab")
     r.unpost(entry)
-    assert r.unexpected_bytes == 4
+    assert r.unexpected_bytes == 2
     second = bytearray(4)
     again = r.post(1, memoryview(second))
     deliver(r, chunk(1, 0, 4, 2, 2), b"cd")

@@ -8,7 +8,7 @@ import zlib
 from wanlink.errors import PeerLost
 from wanlink.io.sockets import close_quietly, log
 from wanlink.proto.frames import (
-    CLOSE_FRAME, AckReceived, ChunkReceived, CloseReceived, ControlReceived, Flags, FrameDecoder,
+    CLOSE_FRAME, FLAG_CHECKSUM, FLAG_LZ4, AckReceived, ChunkReceived, CloseReceived, ControlReceived, FrameDecoder,
     PingReceived, ack_header, compress_chunk, data_header,
 )
 from wanlink.sched.chunking import Chunk
@@ -113,12 +113,12 @@ class Stream:
         checksum = 0
         raw_len = len(payload)
         if self.link.checksum:
-            flags |= Flags.CHECKSUM
+            flags |= FLAG_CHECKSUM
             checksum = zlib.crc32(payload)
         if self.link.compress and raw_len:
             packed = compress_chunk(payload)
             if packed is not None:
-                flags |= Flags.LZ4
+                flags |= FLAG_LZ4
                 payload = packed
         header = data_header(transfer.tag, transfer.seq, transfer.total, chunk.offset, len(payload),
                              flags=flags, raw_len=raw_len, checksum=checksum)

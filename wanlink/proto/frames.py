@@ -40,7 +40,8 @@ class Flags(enum.IntFlag):
     CHECKSUM = 2  # checksum holds crc32 of the raw payload
 
 
-KNOWN_FLAGS = int(Flags.LZ4 | Flags.CHECKSUM)
+FLAG_LZ4, FLAG_CHECKSUM = int(Flags.LZ4), int(Flags.CHECKSUM)  # plain ints for the per-chunk path
+KNOWN_FLAGS = FLAG_LZ4 | FLAG_CHECKSUM
 _NO_PAYLOAD = frozenset({FrameType.ACK, FrameType.PING, FrameType.CLOSE})
 
 
@@ -98,9 +99,9 @@ def parse_header(raw: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> He
         limits.check("max_frame_payload", wire_len, f"chunk of tag={tag} seq={seq}")
         if offset + raw_len > total:
             raise ProtocolError(f"chunk [{offset}, {offset + raw_len}) lies outside message of {total} bytes")
-        if not flags & Flags.LZ4 and wire_len != raw_len:
+        if not flags & FLAG_LZ4 and wire_len != raw_len:
             raise ProtocolError(f"uncompressed chunk has wire_len {wire_len} != raw_len {raw_len}")
-        if not flags & Flags.CHECKSUM and checksum:
+        if not flags & FLAG_CHECKSUM and checksum:
             raise ProtocolError("checksum set without the CHECKSUM flag")
     else:
         if flags:
@@ -200,14 +201,14 @@ class FrameDecoder:
         if header.type is FrameType.CLOSE:
             return self._expect_header([CloseReceived()])
         self._header = header
-        if header.type is FrameType.CONTROL or header.flags & Flags.LZ4:
+        if header.type is FrameType.CONTROL or header.flags & FLAG_LZ4:
             self._compressed = bytearray(header.wire_len)
             self._target = memoryview(self._compressed)
         if header.type is FrameType.DATA:
             destination = self._place(header)
             if len(destination) != header.raw_len:
                 raise AssertionError("payload placer returned a view of the wrong size")
-            if header.flags & Flags.LZ4:
+            if header.flags & FLAG_LZ4:
                 self._destination = destination
             else:
                 self._target = destination
@@ -221,12 +222,12 @@ class FrameDecoder:
         if header.type is FrameType.CONTROL:
             event = ControlReceived(bytes(self._compressed))
         else:
-            if header.flags & Flags.LZ4:
+            if header.flags & FLAG_LZ4:
                 _decompress_into(self._compressed, self._destination, header)
                 raw = self._destination
             else:
                 raw = self._target
-            if header.flags & Flags.CHECKSUM and zlib.crc32(raw) != header.checksum:
+            if header.flags & FLAG_CHECKSUM and zlib.crc32(raw) != header.checksum:
                 raise ProtocolError(f"checksum mismatch in chunk at offset {header.offset} of tag={header.tag} seq={header.seq}")
             event = ChunkReceived(header)
         self._expect_header([])

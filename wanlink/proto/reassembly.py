@@ -1,9 +1,10 @@
 """Receiver bookkeeping: matching messages to posted buffers, staging, duplicates (sans-I/O).
 
 Messages are named (tag, seq): the seq-th message the peer sent on ``tag``. Posted buffers on a
-tag are matched to messages in order. A chunk for a message nobody posted a buffer for yet is
-staged in bounded memory (``Limits.max_unexpected_bytes``); a chunk seen before (re-sent after a
-stream died) is routed to a scratch sink and not counted twice. Negative tags are reserved:
+tag are matched to messages in order. A chunk of a message nobody posted a buffer for yet is
+staged on its own (so a post that comes a moment late copies only the chunks that came early),
+in memory bounded by ``Limits.max_unexpected_bytes``. A chunk seen before (re-sent after a stream
+died) is routed to a scratch sink and not counted twice. Negative tags are reserved:
 ``DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
 """
 from __future__ import annotations
@@ -21,15 +22,15 @@ SCRATCH_SIZE = 16 * 1024 * 1024
 
 @dataclasses.dataclass(eq=False)
 class Incoming:
-    """One message being received: its destination and which chunk offsets have arrived."""
+    """One message being received: its destination and which chunks have arrived."""
 
     tag: int
     seq: int
     buffer: memoryview | None  # the posted buffer, or None while unclaimed
     total: int | None = None  # known once a chunk arrived
-    staging: bytearray | None = None
     received: int = 0
-    offsets: set = dataclasses.field(default_factory=set)
+    chunks: dict = dataclasses.field(default_factory=dict)  # offset -> length of every chunk received
+    staged: dict = dataclasses.field(default_factory=dict)  # offset -> bytearray, while unclaimed
     error: Exception | None = None
     done: bool = False
 
@@ -68,7 +69,7 @@ class Reassembler:
 
     # -- application side -------------------------------------------------------------------
     def post(self, tag: int, buffer: memoryview) -> Incoming:
-        """Claim the next message on ``tag`` for ``buffer``; staged bytes are copied in now."""
+        """Claim the next message on ``tag`` for ``buffer``; chunks that came early are copied in now."""
         if tag < 0:
             raise ValueError(f"tag {tag} is reserved (negative tags are wanlink-internal)")
         state = self._tags.setdefault(tag, _TagState())
@@ -79,29 +80,29 @@ class Reassembler:
             state.next_post_seq += 1
         entry = self._incoming.get((tag, seq))
         if entry is None:
-            entry = self._new_entry(tag, seq, buffer)
-            return entry
+            return self._new_entry(tag, seq, buffer)
         entry.buffer = buffer
         if entry.total is not None and entry.total != len(buffer):
             entry.error = _size_error(tag, entry.total, len(buffer))
-        if entry.staging is not None:
-            if entry.error is None:
-                buffer[:] = entry.staging
-            self.unexpected_bytes -= len(entry.staging)
-            entry.staging = None
+        for offset, data in entry.staged.items():
+            if entry.error is None and offset in entry.chunks:
+                buffer[offset:offset + len(data)] = data
+            self.unexpected_bytes -= len(data)
+        entry.staged = {}
         if entry.error is not None or entry.complete:
             self._finish(entry)
         return entry
 
     def unpost(self, entry: Incoming) -> None:
-        """Give a posted, unfinished message back (its receiver was cancelled): stage its bytes."""
+        """Give a posted, unfinished message back (its receiver was cancelled): stage what arrived."""
         if entry.done or entry.buffer is None:
             return
-        if entry.offsets:
-            self._limits.check("max_unexpected_bytes", self.unexpected_bytes + len(entry.buffer),
-                               f"re-staging tag={entry.tag} seq={entry.seq}")
-            entry.staging = bytearray(entry.buffer)
-            self.unexpected_bytes += len(entry.staging)
+        held = sum(entry.chunks.values())
+        self._limits.check("max_unexpected_bytes", self.unexpected_bytes + held,
+                           f"re-staging tag={entry.tag} seq={entry.seq}")
+        entry.staged = {offset: bytearray(entry.buffer[offset:offset + length])
+                        for offset, length in entry.chunks.items()}
+        self.unexpected_bytes += held
         entry.buffer = None
         entry.error = None
         heapq.heappush(self._tags[entry.tag].returned_seqs, entry.seq)
@@ -116,20 +117,26 @@ class Reassembler:
         state = self._tags.setdefault(header.tag, _TagState())
         if state.is_completed(header.seq):
             return self._scratch_view(header.raw_len)
-        key = (header.tag, header.seq)
-        entry = self._incoming.get(key)
+        entry = self._incoming.get((header.tag, header.seq))
         if entry is None:
             entry = self._new_entry(header.tag, header.seq, None)
         if entry.total is None:
-            self._learn_total(entry, header.total)
+            entry.total = header.total
+            if entry.buffer is not None and len(entry.buffer) != header.total:
+                entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
         elif entry.total != header.total:
             raise ProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
-        if header.offset in entry.offsets or entry.error is not None:
+        if header.offset in entry.chunks or entry.error is not None:
             return self._scratch_view(header.raw_len)
-        end = header.offset + header.raw_len
         if entry.buffer is not None:
-            return entry.buffer[header.offset:end]
-        return memoryview(entry.staging)[header.offset:end]
+            return entry.buffer[header.offset:header.offset + header.raw_len]
+        staged = entry.staged.get(header.offset)
+        if staged is None:  # (a chunk cut off by a dead stream and re-sent reuses its staging buffer)
+            self._limits.check("max_unexpected_bytes", self.unexpected_bytes + header.raw_len,
+                               f"chunk of tag={header.tag} seq={header.seq} arrived before a matching recv")
+            staged = entry.staged[header.offset] = bytearray(header.raw_len)
+            self.unexpected_bytes += header.raw_len
+        return memoryview(staged)
 
     def chunk_done(self, header: Header) -> Incoming | None:
         """Record a placed chunk; returns the message when this chunk finished it (or failed it)."""
@@ -137,10 +144,10 @@ class Reassembler:
             return None
         state = self._tags[header.tag]
         entry = self._incoming.get((header.tag, header.seq))
-        if entry is None or state.is_completed(header.seq) or header.offset in entry.offsets:
+        if entry is None or state.is_completed(header.seq) or header.offset in entry.chunks:
             self.duplicate_chunks += 1
             return None
-        entry.offsets.add(header.offset)
+        entry.chunks[header.offset] = header.raw_len
         entry.received += header.raw_len
         if entry.received > entry.total:
             raise ProtocolError(f"message tag={header.tag} seq={header.seq} received more than {entry.total} bytes")
@@ -163,17 +170,6 @@ class Reassembler:
         self._incoming[(tag, seq)] = entry
         return entry
 
-    def _learn_total(self, entry: Incoming, total: int) -> None:
-        entry.total = total
-        if entry.buffer is not None:
-            if len(entry.buffer) != total:
-                entry.error = _size_error(entry.tag, total, len(entry.buffer))
-            return
-        self._limits.check("max_unexpected_bytes", self.unexpected_bytes + total,
-                           f"message tag={entry.tag} seq={entry.seq} arrived before a matching recv")
-        entry.staging = bytearray(total)
-        self.unexpected_bytes += total
-
     def _finish(self, entry: Incoming) -> Incoming:
         entry.done = True
         if entry.complete:
@@ -193,4 +189,3 @@ class Reassembler:
 
 def _size_error(tag: int, total: int, posted: int) -> MessageSizeError:
     return MessageSizeError(f"message on tag {tag} has {total} bytes but the posted buffer has {posted}")
-
