@@ -27,6 +27,7 @@ from wanlink.io.runtime import new_event_loop  # noqa: E402
 
 MiB = 1024 * 1024
 SECRET = b"bench"
+CONGESTION = [None]  # --congestion for the wanlink sender; None = wanlink's default (bbr when offered)
 
 
 def make_loop(kind: str):
@@ -108,7 +109,8 @@ async def _raw_sender(port: int, payload: memoryview, repeat: int) -> list[float
 
 async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: int,
                           chunk_size: int) -> tuple[list[float], list]:
-    link = await wanlink.connect("127.0.0.1", port, streams=streams, secret=SECRET, chunk_size=chunk_size)
+    link = await wanlink.connect("127.0.0.1", port, streams=streams, secret=SECRET, chunk_size=chunk_size,
+                                 congestion=CONGESTION[0])
     times = []
     for round_index in range(repeat):
         start, cpu = time.perf_counter(), time.process_time()
@@ -160,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", nargs="+", default=["uvloop", "asyncio"], choices=["uvloop", "asyncio"])
     parser.add_argument("--chunk-kib", type=int, nargs="+", default=[1024],
                         help="chunk sizes to compare (the default chunk size was chosen with 256 1024 4096)")
+    parser.add_argument("--congestion", default=None, help="TCP congestion control of wanlink's streams")
     parser.add_argument("--name", default="loopback_throughput")
     args = parser.parse_args(argv)
+    CONGESTION[0] = args.congestion
     payload = memoryview(os.urandom(MiB) * args.size_mib)
     rows = []
     for loop_kind in args.loops:

@@ -406,7 +406,7 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
         family, _type, proto, _name, address = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM, proto)
         socks[index] = sock
-        configure_stream_socket(sock, congestion=congestion, buffer_bytes=sock_buffer)
+        configure_stream_socket(sock, congestion=congestion, buffer_bytes=sock_buffer, peer_host=address[0])
         await loop.sock_connect(sock, address)
         handshake = ClientHandshake(key, link_id, index, count, meta, limits=limits)
         await loop.sock_sendall(sock, handshake.hello())

@@ -74,7 +74,8 @@ class Server:
         peer = _peer_name(sock)
         try:
             configure_stream_socket(sock, congestion=self._link_options.get("congestion"),
-                                    buffer_bytes=self._link_options.get("sock_buffer"))
+                                    buffer_bytes=self._link_options.get("sock_buffer"),
+                                    peer_host=peer.rsplit(":", 1)[0])
             async with asyncio.timeout(self._timeout):
                 accepted = await self._handshake(sock, prefix, peer)
         except (WanlinkError, OSError, TimeoutError) as exc:
