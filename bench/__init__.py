@@ -1,0 +1,1 @@
+"""Reproducible benchmarks (see docs/ and DESIGN.md "Measuring")."""
