@@ -123,8 +123,36 @@ def test_chunk_cut_off_before_completion_is_not_copied_at_post():
     deliver(r, chunk(1, 0, 8, 4, 4), b"efgh")
     buf = bytearray(8)
     entry = r.post(1, memoryview(buf))
-    assert bytes(buf) == b"\0" * 4 + b"efgh" and r.unexpected_bytes == 0
+    assert bytes(buf) == b"\0" * 4 + b"efgh" and r.unexpected_bytes == 4  # the cut chunk's buffer is held
     assert deliver(r, chunk(1, 0, 8, 0, 4), b"abcd") is entry and bytes(buf) == b"abcdefgh"
+    assert r.unexpected_bytes == 0  # the re-sent chunk went to the posted buffer; the leftover is freed
+
+
+def test_chunk_arriving_while_the_message_is_claimed_lands_in_the_posted_buffer():
+    r = Reassembler()
+    header = chunk(1, 0, 8, 0, 8)
+    landing = r.place(header)  # first bytes are being received into staging...
+    landing[:3] = b"abc"
+    buf = bytearray(8)
+    entry = r.post(1, memoryview(buf))  # ...when the application posts its buffer
+    landing[3:] = b"defgh"
+    assert r.chunk_done(header) is entry
+    assert bytes(buf) == b"abcdefgh" and r.unexpected_bytes == 0
+
+
+def test_chunk_arriving_while_the_receive_is_cancelled_is_restaged():
+    r = Reassembler()
+    first = bytearray(8)
+    entry = r.post(1, memoryview(first))
+    header = chunk(1, 0, 8, 0, 8)
+    landing = r.place(header)
+    landing[:4] = b"abcd"
+    r.unpost(entry)  # receiver cancelled mid-chunk
+    landing[4:] = b"efgh"
+    r.chunk_done(header)
+    second = bytearray(8)
+    again = r.post(1, memoryview(second))
+    assert again.done and bytes(second) == b"abcdefgh" and r.unexpected_bytes == 0
 
 
 def test_pending_messages_are_bounded():

@@ -31,6 +31,7 @@ class Incoming:
     received: int = 0
     chunks: dict = dataclasses.field(default_factory=dict)  # offset -> length of every chunk received
     staged: dict = dataclasses.field(default_factory=dict)  # offset -> bytearray, while unclaimed
+    landing: dict = dataclasses.field(default_factory=dict)  # offset -> (view, staged?) of chunks in progress
     error: Exception | None = None
     done: bool = False
 
@@ -84,11 +85,11 @@ class Reassembler:
         entry.buffer = buffer
         if entry.total is not None and entry.total != len(buffer):
             entry.error = _size_error(tag, entry.total, len(buffer))
-        for offset, data in entry.staged.items():
-            if entry.error is None and offset in entry.chunks:
+        for offset in [o for o in entry.staged if o not in entry.landing]:  # chunks still arriving move later
+            data = entry.staged.pop(offset)
+            if entry.error is None:
                 buffer[offset:offset + len(data)] = data
             self.unexpected_bytes -= len(data)
-        entry.staged = {}
         if entry.error is not None or entry.complete:
             self._finish(entry)
         return entry
@@ -97,12 +98,8 @@ class Reassembler:
         """Give a posted, unfinished message back (its receiver was cancelled): stage what arrived."""
         if entry.done or entry.buffer is None:
             return
-        held = sum(entry.chunks.values())
-        self._limits.check("max_unexpected_bytes", self.unexpected_bytes + held,
-                           f"re-staging tag={entry.tag} seq={entry.seq}")
-        entry.staged = {offset: bytearray(entry.buffer[offset:offset + length])
-                        for offset, length in entry.chunks.items()}
-        self.unexpected_bytes += held
+        for offset, length in entry.chunks.items():  # chunks still arriving are re-staged when done
+            self._stage(entry, offset, entry.buffer[offset:offset + length])
         entry.buffer = None
         entry.error = None
         heapq.heappush(self._tags[entry.tag].returned_seqs, entry.seq)
@@ -129,14 +126,18 @@ class Reassembler:
         if header.offset in entry.chunks or entry.error is not None:
             return self._scratch_view(header.raw_len)
         if entry.buffer is not None:
-            return entry.buffer[header.offset:header.offset + header.raw_len]
+            orphan = entry.staged.pop(header.offset, None)  # staged by a stream that died mid-chunk
+            if orphan is not None:
+                self.unexpected_bytes -= len(orphan)
+            view = entry.buffer[header.offset:header.offset + header.raw_len]
+            entry.landing[header.offset] = (view, False)
+            return view
         staged = entry.staged.get(header.offset)
         if staged is None:  # (a chunk cut off by a dead stream and re-sent reuses its staging buffer)
-            self._limits.check("max_unexpected_bytes", self.unexpected_bytes + header.raw_len,
-                               f"chunk of tag={header.tag} seq={header.seq} arrived before a matching recv")
-            staged = entry.staged[header.offset] = bytearray(header.raw_len)
-            self.unexpected_bytes += header.raw_len
-        return memoryview(staged)
+            staged = self._stage(entry, header.offset, None, header.raw_len)
+        view = memoryview(staged)
+        entry.landing[header.offset] = (view, True)
+        return view
 
     def chunk_done(self, header: Header) -> Incoming | None:
         """Record a placed chunk; returns the message when this chunk finished it (or failed it)."""
@@ -147,6 +148,7 @@ class Reassembler:
         if entry is None or state.is_completed(header.seq) or header.offset in entry.chunks:
             self.duplicate_chunks += 1
             return None
+        self._settle(entry, header.offset)
         entry.chunks[header.offset] = header.raw_len
         entry.received += header.raw_len
         if entry.received > entry.total:
@@ -169,6 +171,28 @@ class Reassembler:
         entry = Incoming(tag, seq, buffer)
         self._incoming[(tag, seq)] = entry
         return entry
+
+    def _stage(self, entry: Incoming, offset: int, data, size: int | None = None) -> bytearray:
+        """Hold a chunk of an unclaimed message (a copy of ``data``, or ``size`` empty bytes)."""
+        size = len(data) if data is not None else size
+        self._limits.check("max_unexpected_bytes", self.unexpected_bytes + size,
+                           f"chunk of tag={entry.tag} seq={entry.seq} held before a matching recv")
+        staged = entry.staged[offset] = bytearray(data) if data is not None else bytearray(size)
+        self.unexpected_bytes += size
+        return staged
+
+    def _settle(self, entry: Incoming, offset: int) -> None:
+        """A chunk finished landing: move it if the message was claimed or given back meanwhile."""
+        view, was_staged = entry.landing.pop(offset, (None, None))
+        if was_staged is None:  # went to the scratch sink (failed message)
+            return
+        if was_staged and entry.buffer is not None:  # claimed while this chunk was arriving
+            data = entry.staged.pop(offset)
+            if entry.error is None:
+                entry.buffer[offset:offset + len(data)] = data
+            self.unexpected_bytes -= len(data)
+        elif not was_staged and entry.buffer is None:  # given back while this chunk was arriving
+            self._stage(entry, offset, view)
 
     def _finish(self, entry: Incoming) -> Incoming:
         entry.done = True
