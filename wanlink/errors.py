@@ -49,5 +49,9 @@ class UnsupportedError(WanlinkError, NotImplementedError):
     """The requested operation, dtype or option is not supported."""
 
 
+class NonFiniteGradientError(WanlinkError, ValueError):
+    """A gradient (or gradient plus residual) holds NaN or Inf, or a block's magnitude overflows float32."""
+
+
 class DesyncError(WanlinkError, RuntimeError):
     """Ranks issued different collectives (op, dtype or size) at the same sequence number."""
