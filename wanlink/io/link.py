@@ -8,17 +8,21 @@ import socket
 
 from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, ProtocolError, WanlinkError
 from wanlink.io import registry
-from wanlink.io.sockets import close_quietly, configure_stream_socket, congestion_of, log, recv_exactly
+from wanlink.io.sockets import (
+    close_quietly, configure_stream_socket, congestion_of, is_loopback, log, recv_exactly,
+)
 from wanlink.io.stream import Stream
 from wanlink.proto.control import pack_message, unpack_message
 from wanlink.proto.frames import PING_FRAME, Header, control_header
 from wanlink.proto.handshake import ClientHandshake, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import DISCARD_TAG, Incoming, Reassembler
+from wanlink.probe.rate import DeliveryRateEstimator
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
 
 PROBE_DISCARD_TAG = DISCARD_TAG  # data sent on this tag is received, acknowledged and dropped by the peer
+PROBE_META_KEY = "wanlink_probe"  # a link whose meta has it only carries probe traffic; servers keep it to themselves
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_STREAMS = 4
 RATE_WINDOW_S = 2.0
@@ -107,6 +111,7 @@ class Link:
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
+        self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
 
     def record_send_order(self, maxlen: int = 100_000) -> collections.deque:
         """Start logging the order in which chunks leave (for tests and tracing); returns the log."""
@@ -232,8 +237,12 @@ class Link:
         transfer, done = pending
         if transfer.ack(header.offset, header.raw_len):
             stream.in_flight.pop((header.tag, header.seq, header.offset), None)
+            now = self.loop.time()
+            self.delivery.on_delivery(header.raw_len, now)
             if transfer.complete:
                 del self._outgoing[key]
+                if not self._outgoing:  # nothing left to send: the coming gap is the application's
+                    self.delivery.on_idle(now)
                 if not done.done():
                     done.set_result(None)
         else:
@@ -375,10 +384,28 @@ class Link:
             "unexpected_bytes_held": self.reassembler.unexpected_bytes,
             "recent_send_bps": self._recent_rate_bps(1),
             "recent_recv_bps": self._recent_rate_bps(2),
+            "estimated_bps": 8 * (self.delivery.estimate() or 0.0),
             "chunk_size": self.chunk_size,
             "congestion": congestion,
             "error": None if self.error is None else str(self.error),
         }
+
+
+async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, sock_buffer,
+                              timeout: float) -> tuple[int, int | None]:
+    """N (and a chunk size) for a path: probed, except towards loopback unless WANLINK_STREAMS=auto."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    forced = os.environ.get("WANLINK_STREAMS", "").strip().lower() == "auto"
+    if not forced and all(is_loopback(info[4][0]) for info in infos):
+        return DEFAULT_STREAMS, None  # no window-limited path to measure
+    from wanlink.probe.driver import choose_streams
+
+    result = await choose_streams(host, port, secret=secret, congestion=congestion, sock_buffer=sock_buffer,
+                                  timeout=timeout)
+    log.info("wanlink: probed %s:%s: %d streams, %.0f Mbit/s, RTT %.1f ms, chunk %d KiB (%s)", host, port,
+             result.streams, 8 * result.rate / 1e6, 1e3 * result.rtt_s, result.chunk_size // 1024, result.reason)
+    return result.streams, result.chunk_size
 
 
 async def connect(host: str, port: int, *, streams: int | None = None, secret: bytes | str | None = None,
@@ -387,18 +414,22 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
                   checksum: bool = False, limits: Limits = DEFAULT_LIMITS) -> Link:
     """Open a Link of ``streams`` TCP streams to a wanlink server and authenticate each one.
 
-    ``streams`` defaults to WANLINK_STREAMS, else to a probed count. ``timeout`` bounds the
-    connection set-up and is the link's silence timeout afterwards.
+    ``streams`` defaults to WANLINK_STREAMS, else to a count probed on the path (1, 2, 4, ... up to
+    64 streams until doubling gains under 5 %; ``WANLINK_STREAMS=auto`` probes even towards
+    loopback, where the default is 4 without probing). ``timeout`` bounds the connection set-up
+    and is the link's silence timeout afterwards.
     """
     count = stream_count_from(streams)
-    if count is None:
-        count = DEFAULT_STREAMS
     key = normalize_secret(secret)
     if not key:
         log.warning("wanlink: connecting to %s:%s without authentication (empty secret)", host, port)
+    loop = asyncio.get_running_loop()
+    if count is None:
+        count, probed_chunk = await _probe_stream_count(host, port, key, congestion, sock_buffer, timeout)
+        if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None:
+            chunk_size = probed_chunk
     chunk_size = chunk_size_from(chunk_size)
     link_id = os.urandom(16)
-    loop = asyncio.get_running_loop()
     socks: list[socket.socket | None] = [None] * count
 
     async def open_stream(index: int) -> None:

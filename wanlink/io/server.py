@@ -6,9 +6,9 @@ import dataclasses
 import inspect
 import socket
 
-from wanlink.errors import AuthenticationError, ProtocolError, WanlinkError
+from wanlink.errors import AuthenticationError, PeerLost, ProtocolError, WanlinkError
 from wanlink.io import registry
-from wanlink.io.link import DEFAULT_TIMEOUT, Link
+from wanlink.io.link import DEFAULT_TIMEOUT, PROBE_META_KEY, Link
 from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly
 from wanlink.proto.handshake import ServerHandshake, Status, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
@@ -39,6 +39,7 @@ class Server:
         self.loop = asyncio.get_running_loop()
         self._pending: dict[bytes, _PendingLink] = {}
         self._handlers: set[asyncio.Task] = set()
+        self._probe_links: set[Link] = set()  # probe traffic only: kept here, never shown to on_link
         self._accept_task: asyncio.Task | None = None
         self.host, self.port = listener.getsockname()[:2]
         self.rejected_streams = 0
@@ -153,6 +154,10 @@ class Server:
         link = Link(socks, peer=pending.peer, link_id=link_id, peer_meta=pending.meta, limits=self._limits,
                     timeout=self._timeout, **{k: v for k, v in self._link_options.items()
                                               if k in ("chunk_size", "compress", "checksum")}).start()
+        self._probe_links = {probe for probe in self._probe_links if not probe.closed}
+        if link.peer_meta.get(PROBE_META_KEY):  # the transport drops probe data; the prober closes the link
+            self._probe_links.add(link)
+            return
         try:
             result = self._on_link(link)
             if inspect.isawaitable(result):
@@ -167,6 +172,9 @@ class Server:
             self._accept_task.cancel()
         for task in list(self._handlers):
             task.cancel()
+        for probe in self._probe_links:
+            probe.fail(PeerLost("server closed"))
+        self._probe_links.clear()
         for link_id in list(self._pending):
             pending = self._pending.pop(link_id)
             pending.expiry.cancel()

@@ -34,7 +34,7 @@ def configure_stream_socket(sock: socket.socket, *, congestion: str | None = Non
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if congestion is not None or not _is_loopback(peer_host):
+        if congestion is not None or not is_loopback(peer_host):
             _set_congestion(sock, congestion)
     if buffer_bytes is not None:
         if buffer_bytes <= 0:
@@ -43,7 +43,7 @@ def configure_stream_socket(sock: socket.socket, *, congestion: str | None = Non
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
 
 
-def _is_loopback(host: str | None) -> bool:
+def is_loopback(host: str | None) -> bool:
     try:
         return host is not None and ipaddress.ip_address(host).is_loopback
     except ValueError:

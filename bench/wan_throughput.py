@@ -1,0 +1,302 @@
+"""Throughput over emulated WAN paths: wanlink (probed N and N = 1, 4, 16) vs iperf3 -P 1/-P 8 vs gloo.
+
+Each path (10, 40, 80 ms RTT at the emulator's top rate; 40 ms with 0.1% and 1% loss) is one
+``bench.wanem.netns.WanPath``: two network namespaces, ``A`` (sender) and ``B`` (receiver), whose
+TCP buffers are capped so one flow is window-limited as on real long paths. In the same run and on
+the same path it measures:
+
+* ``iperf3 -P 1`` and ``iperf3 -P 8`` (stock binary, A -> B, receiver-side bits/s);
+* ``wanlink-iperf`` (A -> B over one wanlink Link) with the stream count probed, and with -P 1, 4, 16;
+* a gloo ``broadcast`` of 256 MiB from rank 0 in A to rank 1 in B (torch.distributed, 2 ranks).
+
+Socket buffers: by default nobody sets them (kernel autotuning under the namespace caps), so the
+wanlink/iperf3 ratio is the gain from striping alone. With ``--window SIZE`` every case is also
+run with ``-w SIZE`` for both wanlink and iperf3, and the gain from the buffer size
+(iperf3 -w / iperf3) is reported apart from the gain from striping (wanlink / iperf3 at the
+same buffer policy).
+
+    sudo python3 bench/wan_throughput.py [--seconds 8] [--rate-mbit 2000] [--window 4M] [--only 40ms]
+
+Writes bench/results/wan_throughput.{json,png} and prints a table. Needs root, /dev/net/tun,
+iperf3 and torch (CPU) with gloo.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MiB = 1024 * 1024
+PORT = 5201
+GLOO_PORT = 29512
+SECRET = "wan-throughput-bench"
+PATHS = [  # (label, rtt_ms, loss)
+    ("10ms", 10.0, 0.0), ("40ms", 40.0, 0.0), ("80ms", 80.0, 0.0),
+    ("40ms+0.1%", 40.0, 0.001), ("40ms+1%", 40.0, 0.01),
+]
+WANLINK_CASES = [("wanlink auto", None), ("wanlink N=1", 1), ("wanlink N=4", 4), ("wanlink N=16", 16)]
+IPERF_CASES = [("iperf3 -P 1", 1), ("iperf3 -P 8", 8)]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["WANLINK_SECRET"] = SECRET
+    env["GLOO_SOCKET_IFNAME"] = "wan0"  # the emulated path's device in both namespaces
+    env.pop("WANLINK_STREAMS", None)
+    return env
+
+
+def _start_server(path, argv: list[str]) -> subprocess.Popen:
+    """Start a server in namespace B and wait (unbuffered reads) for its 'Server listening' line."""
+    proc = path.popen_b(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, env=_env(), cwd=ROOT)
+    fd, seen = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + 30
+    while b"Server listening" not in seen:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        data = os.read(fd, 4096) if ready else b""
+        if not data:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"server {argv[:3]} did not start (rc={proc.returncode}): {seen[-300:]!r}")
+        seen += data
+    return proc
+
+
+def _client(path, argv: list[str], timeout: float) -> tuple[dict, float]:
+    t0 = time.monotonic()
+    done = path.run_a(argv, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=timeout)
+    wall = time.monotonic() - t0
+    try:
+        doc = json.loads(done.stdout)
+    except ValueError:
+        raise RuntimeError(f"{argv[:3]} printed no JSON (rc={done.returncode}): {done.stderr[-400:]}") from None
+    if done.returncode != 0 or "error" in doc:
+        raise RuntimeError(f"{argv[:3]} failed: {doc.get('error') or done.stderr[-400:]}")
+    return doc, wall
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_iperf3(path, streams: int, seconds: float, window: str | None) -> dict:
+    server = _start_server(path, ["iperf3", "-s", "-1", "--forceflush", "-B", path.addr_b, "-p", str(PORT)])
+    try:
+        argv = ["iperf3", "-c", path.addr_b, "-p", str(PORT), "-t", str(int(seconds)), "-P", str(streams), "-J"]
+        if window:
+            argv += ["-w", window]
+        doc, _wall = _client(path, argv, timeout=seconds + 60)
+    finally:
+        _finish(server)
+    end = doc["end"]
+    return {"gbps": end["sum_received"]["bits_per_second"] / 1e9, "streams": streams,
+            "retransmits": end["sum_sent"].get("retransmits")}
+
+
+def run_wanlink(path, streams: int | None, seconds: float, window: str | None) -> dict:
+    cli = [sys.executable, "-m", "wanlink.cli.iperf"]
+    server_argv = cli + ["-s", "-1", "-B", path.addr_b, "-p", str(PORT), "-i", "0"]
+    if window:  # wanlink links take socket options from each side's own -w (the server's is per server)
+        server_argv += ["-w", window]
+    server = _start_server(path, server_argv)
+    try:
+        argv = cli + ["-c", path.addr_b, "-p", str(PORT), "-t", str(seconds), "-J", "-i", "0"]
+        if streams is not None:
+            argv += ["-P", str(streams)]
+        if window:
+            argv += ["-w", window]
+        doc, wall = _client(path, argv, timeout=seconds + 180)
+    finally:
+        _finish(server)
+    end, wl = doc["end"], doc["wanlink"]
+    return {"gbps": end["sum_received"]["bits_per_second"] / 1e9, "streams": wl["streams"],
+            "retransmits": end["sum_sent"].get("retransmits"), "rtt_ms": wl["rtt_ms"],
+            "chunk_size": wl["chunk_size"], "probe": wl["probe"],
+            "setup_s": max(0.0, wall - seconds)}
+
+
+def run_gloo(path, size_mib: int, timeout: float) -> dict:
+    me = [sys.executable, str(Path(__file__).resolve()), "--gloo-worker", "--master", path.addr_a,
+          "--size-mib", str(size_mib)]
+    rank0 = path.popen_a(me + ["--rank", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(), cwd=ROOT)
+    try:
+        done = path.run_b(me + ["--rank", "1"], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                          timeout=timeout)
+    finally:
+        _finish(rank0)
+    if done.returncode != 0:
+        raise RuntimeError(f"gloo worker failed: {done.stderr[-400:]}")
+    seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    return {"gbps": size_mib * MiB * 8 / seconds / 1e9, "streams": 1, "seconds": seconds}
+
+
+def gloo_worker(rank: int, master: str, size_mib: int) -> None:
+    """One rank of the gloo baseline: broadcast size_mib from rank 0, timed on rank 1."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{GLOO_PORT}", rank=rank, world_size=2,
+                            timeout=__import__("datetime").timedelta(seconds=300))
+    warm = torch.zeros(MiB // 4)
+    dist.broadcast(warm, src=0)
+    data = torch.ones(size_mib * MiB // 4) if rank == 0 else torch.zeros(size_mib * MiB // 4)
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.broadcast(data, src=0)
+    seconds = time.perf_counter() - t0
+    if rank == 1:
+        assert bool(data[-1] == 1.0), "broadcast delivered wrong data"
+        print(json.dumps({"seconds": seconds}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(seconds: float, rate_mbit: float, window: str | None, gloo_mib: int, only: list[str]) -> list[dict]:
+    from bench.wanem.netns import WanPath
+
+    rows = []
+    policies = [None] + ([window] if window else [])
+    for label, rtt, loss in PATHS:
+        if only and label not in only:
+            continue
+        with WanPath(rtt_ms=rtt, rate_mbit=rate_mbit, loss=loss) as path:
+            cases = []
+            for policy in policies:
+                for name, n in IPERF_CASES:
+                    cases.append((name, policy, lambda n=n, p=policy: run_iperf3(path, n, seconds, p)))
+                for name, n in WANLINK_CASES:
+                    cases.append((name, policy, lambda n=n, p=policy: run_wanlink(path, n, seconds, p)))
+            cases.append((f"gloo broadcast {gloo_mib} MiB", None, lambda: run_gloo(path, gloo_mib, 600)))
+            for name, policy, fn in cases:
+                row = {"path": label, "rtt_ms": rtt, "loss": loss, "rate_mbit": rate_mbit, "case": name,
+                       "buffers": policy or "autotune"}
+                try:
+                    row.update(fn())
+                except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
+                    row["error"] = str(exc)[:300]
+                print(f"  {label:>10} {name:<22} {row['buffers']:>8}: "
+                      + (f"{row['gbps']:.3f} Gbit/s ({row.get('streams')} streams)" if "gbps" in row
+                         else f"ERROR {row['error']}"), flush=True)
+                rows.append(row)
+            try:
+                rows[-1]["emulator_stats"] = path.stats()
+            except Exception as exc:  # noqa: BLE001 - stats are informative only
+                rows[-1]["emulator_stats_error"] = str(exc)
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Gain from striping (wanlink / iperf3 -P 1 at the same buffer policy) and from buffers."""
+    out = []
+    by = {(r["path"], r["case"], r["buffers"]): r.get("gbps") for r in rows}
+    for label, _rtt, _loss in PATHS:
+        for policy in sorted({r["buffers"] for r in rows if r["path"] == label}):
+            base = by.get((label, "iperf3 -P 1", policy))
+            auto = by.get((label, "wanlink auto", policy))
+            if base and auto:
+                entry = {"path": label, "buffers": policy, "striping_gain": auto / base}
+                p8 = by.get((label, "iperf3 -P 8", policy))
+                if p8:
+                    entry["vs_iperf3_P8"] = auto / p8
+                gloo = next((r.get("gbps") for r in rows if r["path"] == label and r["case"].startswith("gloo")),
+                            None)
+                if gloo:
+                    entry["vs_gloo"] = auto / gloo
+                if policy != "autotune":
+                    default = by.get((label, "iperf3 -P 1", "autotune"))
+                    if default:
+                        entry["buffer_gain_iperf3_P1"] = base / default
+                out.append(entry)
+    return out
+
+
+def plot(rows: list[dict]) -> Path:
+    from bench.reporting import new_figure, save_figure
+
+    labels = [p for p, _r, _l in PATHS if any(r["path"] == p for r in rows)]
+    cases = list(dict.fromkeys((r["case"], r["buffers"]) for r in rows))
+    fig, ax = new_figure(figsize=(12, 5))
+    width = 0.8 / max(1, len(cases))
+    for k, (case, policy) in enumerate(cases):
+        values = [next((r.get("gbps") or 0.0 for r in rows if r["path"] == p and r["case"] == case
+                        and r["buffers"] == policy), 0.0) for p in labels]
+        name = case if policy == "autotune" else f"{case} -w {policy}"
+        color = __import__("matplotlib").colormaps["tab20"](k % 20)
+        ax.bar([i + k * width for i in range(len(labels))], values, width, label=name, color=color)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("Gbit/s (receiver)")
+    ax.set_title("Throughput over emulated WAN paths (bench/wan_throughput.py)")
+    ax.legend(fontsize=7, ncol=2)
+    return save_figure(fig, "wan_throughput")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=8.0, help="duration of each iperf3/wanlink run")
+    p.add_argument("--rate-mbit", type=float, default=2000.0, help="bottleneck rate (the emulator's top rate)")
+    p.add_argument("--window", default=None, help="also run every case with this -w (e.g. 4M)")
+    p.add_argument("--gloo-mib", type=int, default=256)
+    p.add_argument("--only", nargs="*", default=[], help="path labels to run (default all)")
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON")
+    p.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--master", help=argparse.SUPPRESS)
+    p.add_argument("--size-mib", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.gloo_worker:
+        gloo_worker(a.rank, a.master, a.size_mib)
+        return 0
+    from bench.reporting import RESULTS, machine_info, print_table, save_json
+
+    if a.plot_only:
+        print(plot(json.loads((RESULTS / "wan_throughput.json").read_text())["rows"]))
+        return 0
+    from bench.wanem.netns import WanemError, check_environment
+
+    try:
+        check_environment()
+    except WanemError as exc:
+        print(f"wan_throughput: {exc}", file=sys.stderr)
+        return 1
+    if shutil.which("iperf3") is None:
+        print("wan_throughput: iperf3 is required (apt-get install -y iperf3)", file=sys.stderr)
+        return 1
+    load_before = machine_info()["loadavg_1_5_15"]
+    t0 = time.monotonic()
+    rows = measure(a.seconds, a.rate_mbit, a.window, a.gloo_mib, a.only)
+    print()
+    shown = [{k: ("" if v is None else v) for k, v in r.items()} for r in rows]
+    print_table(shown, [("path", "path", ""), ("case", "case", ""), ("buffers", "buffers", ""),
+                       ("streams", "streams", ""), ("gbps", "Gbit/s", ".3f"), ("retransmits", "retr", "")])
+    gains = ratios(rows)
+    print()
+    print_table([{k: ("" if v is None else v) for k, v in g.items()} for g in gains], [("path", "path", ""), ("buffers", "buffers", ""), ("striping_gain", "wl/ip3-P1", ".2f"),
+                        ("vs_iperf3_P8", "wl/ip3-P8", ".2f"), ("vs_gloo", "wl/gloo", ".2f"),
+                        ("buffer_gain_iperf3_P1", "buf gain", ".2f")])
+    path = save_json("wan_throughput", {
+        "command": " ".join([sys.executable, *sys.argv]), "seconds": a.seconds, "rate_mbit": a.rate_mbit,
+        "window": a.window, "loadavg_before": load_before, "wall_s": time.monotonic() - t0,
+        "rows": rows, "gains": gains})
+    png = plot(rows)
+    print(f"\nwrote {path} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

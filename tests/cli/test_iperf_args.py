@@ -1,0 +1,68 @@
+"""wanlink-iperf's command line: iperf3's options, defaults and refusals."""
+import argparse
+
+import pytest
+
+from wanlink.cli.iperf import parse_args, parse_size
+
+
+def test_defaults_follow_iperf3():
+    o = parse_args(["-c", "127.0.0.1"])
+    assert (o.host, o.port, o.time, o.interval, o.length) == ("127.0.0.1", 5201, 10.0, 1.0, 128 * 1024)
+    assert o.parallel is None  # automatic: probed
+    assert not (o.json or o.reverse or o.bidir or o.server) and o.wanlink and o.window is None
+    s = parse_args(["-s"])
+    assert s.server and s.port == 5201 and not s.one_off
+
+
+def test_all_client_options():
+    o = parse_args(["-c", "h", "-p", "6000", "-P", "8", "-t", "3", "-i", "0.5", "-J", "-R", "-C", "cubic",
+                    "-w", "4M", "-l", "64K", "--connect-timeout", "500", "--max-streams", "16"])
+    assert (o.port, o.parallel, o.time, o.interval, o.json, o.reverse) == (6000, 8, 3.0, 0.5, True, True)
+    assert (o.congestion, o.window, o.length, o.connect_timeout, o.max_streams) == \
+        ("cubic", 4 << 20, 64 << 10, 0.5, 16)
+    n = parse_args(["-c", "h", "-n", "10M", "--bidir"])
+    assert n.bytes == 10 << 20 and n.time == 0 and n.bidir
+    assert parse_args(["-s", "-1", "-p", "0"]).one_off
+
+
+@pytest.mark.parametrize("text,value", [("0", 0), ("100", 100), ("128K", 131072), ("1.5m", 1572864),
+                                        ("2G", 2 << 30), ("1t", 1 << 40)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "K", "ten", "-1M", "1Q"])
+def test_bad_sizes(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["-s", "-c", "h"], ["-c", "h", "-R", "--bidir"], ["-c", "h", "-t", "1", "-n", "1M"],
+    ["-c", "h", "-P", "0"], ["-c", "h", "-P", "129"], ["-c", "h", "-t", "0"], ["-c", "h", "-t", "100000"],
+    ["-c", "h", "-i", "0.01"], ["-c", "h", "-p", "70000"], ["-c", "h", "-p", "0"], ["-c", "h", "-l", "2M"],
+    ["-c", "h", "-w", "1G"], ["-s", "-R"], ["-s", "-P", "2"], ["-c", "h", "-1"], ["-c", "h", "-u"],
+])
+def test_refusals_exit_with_status_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert "wanlink-iperf" in capsys.readouterr().err
+
+
+def test_tcp_info_reads_the_kernel_counters():
+    import socket
+
+    from wanlink.cli.iperf import tcp_info
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with socket.create_connection(listener.getsockname()) as conn:
+            peer, _ = listener.accept()
+            with peer:
+                conn.sendall(b"x" * 100000)
+                info = tcp_info(conn)
+    if info is None:
+        pytest.skip("no TCP_INFO on this platform")
+    assert set(info) == {"retransmits", "snd_cwnd", "rtt", "rttvar", "pmtu"}
+    assert info["retransmits"] == 0 and info["pmtu"] >= 1500 and info["snd_cwnd"] >= info["pmtu"] // 2

@@ -1,0 +1,215 @@
+"""wanlink-iperf client against wanlink-iperf server over loopback: JSON, modes, errors."""
+import asyncio
+import json
+import socket
+import struct
+
+import pytest
+
+from iperf_helpers import Server, client, client_json, free_port
+from wanlink.probe.iperf3 import State, make_cookie
+
+SECRET = "loopback-secret"
+
+
+@pytest.fixture(autouse=True)
+def secret(monkeypatch):
+    monkeypatch.setenv("WANLINK_SECRET", SECRET)
+    monkeypatch.delenv("WANLINK_STREAMS", raising=False)
+
+
+def bps(section):
+    return section["bits_per_second"]
+
+
+@pytest.mark.asyncio
+async def test_wanlink_test_with_fixed_streams_reports_iperf3_json():
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.6", "-i", "0.2")
+    assert srv.rc == 0
+    assert set(doc) >= {"start", "intervals", "end", "wanlink"}
+    end = doc["end"]
+    assert bps(end["sum_sent"]) > 0 and bps(end["sum_received"]) > 0
+    assert end["sum_received"]["bytes"] <= end["sum_sent"]["bytes"]
+    assert len(end["streams"]) == 2 and all(set(s) == {"sender", "receiver"} for s in end["streams"])
+    assert doc["intervals"] and all(len(i["streams"]) == 2 and "sum" in i for i in doc["intervals"])
+    wl = doc["wanlink"]
+    assert wl["mode"] == "wanlink" and wl["streams"] == 2 and not wl["streams_auto"]
+    assert wl["rtt_ms"] > 0 and wl["chunk_size"] > 0 and wl["authenticated"] is True
+    assert doc["start"]["test_start"]["num_streams"] == 2 and doc["start"]["connecting_to"]["port"] == srv.port
+    assert "Accepted connection from 127.0.0.1" in srv.out.getvalue()
+
+
+@pytest.mark.asyncio
+async def test_automatic_stream_count_is_probed():
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-t", "0.4", "--max-streams", "2", "-i", "0")
+    wl = doc["wanlink"]
+    assert wl["streams_auto"] and wl["probe"]["streams"] == wl["streams"]
+    assert [s["streams"] for s in wl["probe"]["samples"]][:1] == [1]
+    assert wl["streams"] in (1, 2) and len(doc["end"]["streams"]) == wl["streams"]
+
+
+@pytest.mark.asyncio
+async def test_streams_from_environment_skip_probing(monkeypatch):
+    monkeypatch.setenv("WANLINK_STREAMS", "3")
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-t", "0.3", "-i", "0")
+    assert doc["wanlink"]["streams"] == 3 and not doc["wanlink"]["streams_auto"]
+
+
+@pytest.mark.asyncio
+async def test_byte_count_is_exact_when_sending():
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-n", "8M", "-i", "0")
+        raw = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-n", "3M", "--no-wanlink", "-i", "0")
+    assert doc["end"]["sum_sent"]["bytes"] == 8 << 20
+    assert raw["end"]["sum_sent"]["bytes"] == 3 << 20 and raw["wanlink"]["mode"] == "iperf3"
+
+
+@pytest.mark.asyncio
+async def test_reverse_mode_server_sends():
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-R", "-n", "6M", "-i", "0")
+    end = doc["end"]
+    assert end["sum_received"]["bytes"] >= 6 << 20 and end["sum_sent"]["bytes"] >= end["sum_received"]["bytes"]
+    assert end["sum_sent"]["sender"] is False  # as iperf3: the local side was not the sender
+    assert doc["start"]["test_start"]["reverse"] == 1
+
+
+@pytest.mark.asyncio
+async def test_bidirectional_mode():
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "1", "--bidir", "-t", "0.5", "-i", "0")
+    end = doc["end"]
+    assert bps(end["sum_sent"]) > 0 and bps(end["sum_sent_bidir_reverse"]) > 0
+    assert bps(end["sum_received_bidir_reverse"]) > 0
+
+
+@pytest.mark.asyncio
+async def test_plain_streams_with_window_and_congestion():
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.4", "--no-wanlink",
+                                "-w", "256K", "-C", "cubic", "-i", "0")
+    assert doc["wanlink"]["mode"] == "iperf3" and doc["wanlink"]["congestion"] == "cubic"
+    assert doc["start"]["sock_bufsize"] == 256 << 10 and len(doc["start"]["connected"]) == 2
+    assert bps(doc["end"]["sum_received"]) > 0
+
+
+@pytest.mark.asyncio
+async def test_text_output_has_the_iperf3_table():
+    async with Server() as srv:
+        rc, out, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.5", "-i", "0.25")
+    assert rc == 0, err
+    assert "[ ID] Interval           Transfer     Bitrate" in out
+    assert out.count("[SUM]") >= 3 and "sender" in out and "receiver" in out
+    assert "wanlink: 2 streams" in out and out.rstrip().endswith("iperf Done.")
+
+
+@pytest.mark.asyncio
+async def test_wrong_secret_is_refused_clearly(monkeypatch):
+    async with Server() as srv:
+        monkeypatch.setenv("WANLINK_SECRET", "not-the-secret")
+        rc, out, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.3")
+        monkeypatch.setenv("WANLINK_SECRET", SECRET)
+        ok, _, err2 = await client("127.0.0.1", "-p", str(srv.port), "-P", "1", "-t", "0.2", "-i", "0")
+    assert rc == 1 and "authentication failed" in err and "WANLINK_SECRET" in err
+    assert ok == 0, err2  # the server survived and serves the next client
+
+
+@pytest.mark.asyncio
+async def test_without_secret_it_runs_unauthenticated_and_says_so(monkeypatch):
+    monkeypatch.delenv("WANLINK_SECRET")
+    async with Server() as srv:
+        rc, out, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "1", "-t", "0.2", "-J")
+    assert rc == 0, err
+    assert "WANLINK_SECRET is not set" in err and "unauthenticated" in err
+    assert "unauthenticated" in srv.err.getvalue()
+    assert json.loads(out)["wanlink"]["authenticated"] is False
+
+
+@pytest.mark.asyncio
+async def test_unreachable_server():
+    rc, out, err = await client("127.0.0.1", "-p", str(free_port()), "-t", "1")
+    assert rc == 1 and "unable to connect to server 127.0.0.1" in err and "refused" in err
+    rc, out, _ = await client("127.0.0.1", "-p", str(free_port()), "-t", "1", "-J")
+    assert rc == 1 and "unable to connect" in json.loads(out)["error"]
+
+
+@pytest.mark.asyncio
+async def test_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        from iperf_helpers import run
+        import io
+        err = io.StringIO()
+        rc = await asyncio.wait_for(run(["-s", "-p", str(port), "-B", "127.0.0.1"], stdout=io.StringIO(),
+                                        stderr=err, stop=asyncio.Event()), 10)
+    assert rc == 1 and "unable to start listener" in err.getvalue() and "in use" in err.getvalue()
+
+
+@pytest.mark.asyncio
+async def test_busy_server_answers_access_denied():
+    async with Server() as srv:
+        loop = asyncio.get_running_loop()
+        first = socket.socket()
+        first.setblocking(False)
+        try:
+            await loop.sock_connect(first, ("127.0.0.1", srv.port))
+            await loop.sock_sendall(first, make_cookie())
+            assert await asyncio.wait_for(loop.sock_recv(first, 1), 10) == struct.pack("b", State.PARAM_EXCHANGE)
+            rc, _, err = await client("127.0.0.1", "-p", str(srv.port), "-t", "1")
+        finally:
+            first.close()
+    assert rc == 1 and "busy" in err
+
+
+@pytest.mark.asyncio
+async def test_garbage_connection_does_not_disturb_the_server():
+    async with Server() as srv:
+        loop = asyncio.get_running_loop()
+        junk = socket.socket()
+        junk.setblocking(False)
+        await loop.sock_connect(junk, ("127.0.0.1", srv.port))
+        await loop.sock_sendall(junk, b"\x00" * 37)  # not a cookie
+        assert await asyncio.wait_for(loop.sock_recv(junk, 1), 10) == b""  # closed without an answer
+        junk.close()
+        rc, _, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "1", "-t", "0.2", "-i", "0")
+    assert rc == 0, err
+
+
+@pytest.mark.asyncio
+async def test_one_off_server_exits_after_one_test():
+    async with Server("-1") as srv:
+        rc, _, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "1", "-t", "0.2", "-i", "0")
+        assert rc == 0, err
+        await asyncio.wait_for(asyncio.shield(srv.task), 10)
+    assert srv.rc == 0
+
+
+@pytest.mark.asyncio
+async def test_unknown_congestion_control_fails_before_connecting():
+    rc, out, err = await client("127.0.0.1", "-p", str(free_port()), "-t", "1", "-C", "no-such-cc")
+    assert rc == 1 and "no-such-cc" in err and "Connecting" not in out
+
+
+@pytest.mark.asyncio
+async def test_client_vanishing_mid_negotiation_leaves_the_server_serving():
+    async with Server() as srv:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", srv.port))
+            await loop.sock_sendall(sock, make_cookie())
+            assert await asyncio.wait_for(loop.sock_recv(sock, 1), 10) == b"\x09"  # PARAM_EXCHANGE
+            body = json.dumps({"tcp": True, "time": 1, "parallel": 1}).encode()
+            await loop.sock_sendall(sock, struct.pack("!I", len(body)) + body)
+            assert await asyncio.wait_for(loop.sock_recv(sock, 1), 10) == b"\x0a"  # CREATE_STREAMS
+        finally:
+            sock.close()  # gone before opening any stream
+        rc, _, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "1", "-t", "0.2", "-i", "0")
+    assert rc == 0, err
+    assert "unexpectedly closed" in srv.err.getvalue() or "stopped before its streams" in srv.err.getvalue()

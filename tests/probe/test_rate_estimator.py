@@ -1,0 +1,111 @@
+"""DeliveryRateEstimator on simulated delivery traces (the clock is simulated)."""
+import random
+
+import pytest
+
+from wanlink.errors import ConfigError
+from wanlink.probe.rate import DeliveryRateEstimator
+
+MB = 1_000_000
+
+
+def deliver(est, rate, start, end, *, chunk=64 * 1024, jitter=0.0, rng=None):
+    """Deliveries of ``chunk`` bytes at ``rate`` bytes/s over [start, end); returns the end time."""
+    t = start
+    while True:
+        gap = chunk / rate
+        if jitter:
+            gap *= rng.expovariate(1.0) if jitter == "exp" else 1 + rng.uniform(-jitter, jitter)
+        t += gap
+        if t >= end:
+            return end
+        est.on_delivery(chunk, t)
+
+
+def test_none_before_a_full_window():
+    est = DeliveryRateEstimator(window_s=0.5)
+    assert est.estimate() is None
+    deliver(est, 100 * MB, 0.0, 0.4)
+    assert est.estimate() is None and est.age(1.0) is None
+
+
+def test_steady_rate_is_measured():
+    est = DeliveryRateEstimator()
+    deliver(est, 100 * MB, 0.0, 5.0)
+    assert est.estimate() == pytest.approx(100 * MB, rel=0.02)
+
+
+def test_follows_a_drop_within_a_second():
+    est = DeliveryRateEstimator(window_s=0.5, horizon_s=3.0, percentile=10)
+    deliver(est, 100 * MB, 0.0, 5.0)
+    deliver(est, 20 * MB, 5.0, 6.0)
+    assert est.estimate() <= 20 * MB * 1.1
+
+
+def test_follows_a_rise_within_the_horizon_and_errs_low_until_then():
+    est = DeliveryRateEstimator(window_s=0.5, horizon_s=3.0, percentile=10)
+    deliver(est, 20 * MB, 0.0, 5.0)
+    deliver(est, 100 * MB, 5.0, 6.0)
+    assert est.estimate() < 50 * MB  # one second of the higher rate is not yet believed
+    deliver(est, 100 * MB, 6.0, 9.5)
+    assert est.estimate() == pytest.approx(100 * MB, rel=0.05)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_deliveries_err_low(seed):
+    rng = random.Random(seed)
+    est = DeliveryRateEstimator()
+    deliver(est, 50 * MB, 0.0, 10.0, jitter="exp", rng=rng)
+    measured = est.total_bytes / 10.0
+    assert est.estimate() <= measured
+    assert est.estimate() >= 0.5 * measured
+
+
+def test_application_idle_time_is_not_counted():
+    est = DeliveryRateEstimator(idle_gap_s=None)
+    deliver(est, 100 * MB, 0.0, 2.0)
+    est.on_idle(2.0)
+    deliver(est, 100 * MB, 4.0, 6.0)  # two idle seconds in between
+    assert est.estimate() == pytest.approx(100 * MB, rel=0.03)
+
+
+def test_long_gaps_start_a_new_window_without_on_idle():
+    est = DeliveryRateEstimator(idle_gap_s=1.0)
+    deliver(est, 100 * MB, 0.0, 2.0)
+    deliver(est, 100 * MB, 3.5, 6.0)
+    assert est.estimate() == pytest.approx(100 * MB, rel=0.03)
+    est2 = DeliveryRateEstimator(idle_gap_s=None)
+    deliver(est2, 100 * MB, 0.0, 2.0)
+    deliver(est2, 100 * MB, 3.5, 6.0)
+    assert est2.estimate() < 60 * MB  # without the rule, the gap reads as a slow link
+
+
+def test_memory_stays_bounded_with_tiny_deliveries():
+    est = DeliveryRateEstimator(window_s=0.5, horizon_s=3.0)
+    deliver(est, 100 * MB, 0.0, 5.0, chunk=1000)  # half a million deliveries
+    assert len(est._run) <= 40 and est.samples <= 3.0 / (0.5 / 8) + 2
+    assert est.estimate() == pytest.approx(100 * MB, rel=0.02)
+
+
+def test_estimate_holds_when_deliveries_stop():
+    est = DeliveryRateEstimator()
+    deliver(est, 100 * MB, 0.0, 5.0)
+    assert est.age(15.0) == pytest.approx(10.0, abs=0.1)
+    assert est.estimate() == pytest.approx(100 * MB, rel=0.02)
+
+
+def test_bad_input():
+    with pytest.raises(ConfigError):
+        DeliveryRateEstimator(window_s=3.0, horizon_s=1.0)
+    with pytest.raises(ConfigError):
+        DeliveryRateEstimator(percentile=150)
+    with pytest.raises(ConfigError):
+        DeliveryRateEstimator(idle_gap_s=0)
+    est = DeliveryRateEstimator()
+    est.on_delivery(10, 5.0)
+    with pytest.raises(ConfigError):
+        est.on_delivery(10, 4.0)
+    with pytest.raises(ConfigError):
+        est.on_delivery(-1, 6.0)
+    with pytest.raises(ConfigError):
+        est.on_delivery(1, float("nan"))

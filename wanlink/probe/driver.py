@@ -1,0 +1,113 @@
+"""Probing a wanlink peer over real Links, driven by the pure ``StreamRamp``.
+
+For each stream count the ramp proposes, open a Link of that many streams, let TCP leave slow
+start, then time acknowledged sends on ``PROBE_DISCARD_TAG`` (the peer's transport receives,
+acknowledges and drops them; the peer application sees only a Link whose ``peer_meta`` has
+``"wanlink_probe": 1``). The RTT is the fastest acknowledged one-byte message on the first Link.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from wanlink.errors import ConfigError
+from wanlink.probe.chunk import choose_chunk_size
+from wanlink.io.link import PROBE_DISCARD_TAG, PROBE_META_KEY
+from wanlink.probe.ramp import MAX_STREAMS, ProbeResult, StreamRamp
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """How long one ramp step runs: slow-start warm-up, then measurement (both scale with RTT)."""
+
+    warmup_s: float
+    measure_s: float
+
+    @classmethod
+    def for_rtt(cls, rtt_s: float, *, measure_s: float | None = None) -> "StepTiming":
+        warmup = min(max(0.25, 10 * rtt_s), 2.0)
+        measure = measure_s if measure_s is not None else min(max(0.4, 12 * rtt_s), 2.0)
+        return cls(warmup, measure)
+
+
+async def _rtt(link, samples: int = 5) -> float:
+    best = float("inf")
+    one = b"\0"
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        await link.send(one, tag=PROBE_DISCARD_TAG)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+async def measure_rate(link, timing: StepTiming, *, inflight_bytes: int) -> float:
+    """Acknowledged bytes/s on ``link`` over ``timing.measure_s``, after ``timing.warmup_s``.
+
+    Sends one-chunk messages, keeping about ``inflight_bytes`` (and at least two per stream)
+    unacknowledged; counts the bytes whose acknowledgement lands inside the fixed measurement
+    window, so bunched completions cannot inflate the rate.
+    """
+    message = bytes(link.chunk_size)
+    depth = max(2 * link.streams, -(-inflight_bytes // len(message)))
+    loop = asyncio.get_running_loop()
+    completions: list[float] = []
+
+    async def sender():
+        while True:
+            await link.send(message, tag=PROBE_DISCARD_TAG)
+            completions.append(loop.time())
+
+    start = loop.time()
+    tasks = [loop.create_task(sender()) for _ in range(depth)]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=timing.warmup_s + timing.measure_s,
+                                     return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()  # a failed send (PeerLost) ends the probe with that error
+    finally:
+        end = loop.time()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    begin = start + timing.warmup_s
+    acked = sum(1 for t in completions if begin <= t <= end)
+    return acked * len(message) / max(end - begin, 1e-9)
+
+
+async def choose_streams(host: str, port: int, *, secret: bytes | str | None = None, meta: dict | None = None,
+                         max_streams: int = MAX_STREAMS, min_gain: float = 0.05, patience: int = 1,
+                         congestion: str | None = None, sock_buffer: int | None = None,
+                         measure_s: float | None = None, timeout: float = 30.0,
+                         inflight_bytes: int = 32 * 1024 * 1024) -> ProbeResult:
+    """Probe ``host:port`` (a wanlink server) and choose the stream count and chunk size for it.
+
+    Opens Links of 1, 2, 4, ... streams (up to ``max_streams``) and stops once doubling gains
+    less than ``min_gain``; returns the smallest count within ``min_gain`` of the best rate.
+    """
+    import wanlink
+
+    if max_streams < 1:
+        raise ConfigError(f"max_streams must be >= 1, got {max_streams}")
+    ramp = StreamRamp(max_streams=max_streams, min_gain=min_gain, patience=patience)
+    probe_meta = {**(meta or {}), PROBE_META_KEY: 1}
+    rtt = None
+    timing = None
+    while (count := ramp.next_streams()) is not None:
+        link = await wanlink.connect(host, port, streams=count, secret=secret, meta=probe_meta, timeout=timeout,
+                                     congestion=congestion, sock_buffer=sock_buffer)
+        try:
+            if rtt is None:
+                rtt = await _rtt(link)
+                timing = StepTiming.for_rtt(rtt, measure_s=measure_s)
+            best = ramp.best
+            bdp = int(2 * best.rate * rtt) if best is not None else 0
+            rate = await measure_rate(link, timing, inflight_bytes=max(inflight_bytes, bdp))
+        finally:
+            await link.close()
+        ramp.record(count, rate)
+    chosen = ramp.choice()
+    chosen_rate = ramp.rate_of(chosen) or 0.0
+    return ProbeResult(streams=chosen, rtt_s=rtt or 0.0, rate=chosen_rate,
+                       chunk_size=choose_chunk_size(chosen_rate, chosen, rtt or 0.0),
+                       samples=tuple(ramp.steps), reason=ramp.reason)

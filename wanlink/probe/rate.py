@@ -1,0 +1,86 @@
+"""Online estimate of a link's delivered bandwidth (pure; the caller supplies timestamps).
+
+Feed every delivery as ``on_delivery(nbytes, t)``. The estimator forms rate samples over sliding
+windows of ``window_s`` (bytes delivered after the window's first delivery, divided by its span),
+keeps the samples of the last ``horizon_s`` and reports a low percentile of them. It therefore errs
+low: a drop shows as soon as a ``percentile`` share of the horizon has seen it (a fraction of a
+second), a rise only once most of the horizon has (about ``horizon_s``).
+
+Idle time is not capacity: call ``on_idle(t)`` when the sender ran out of data; the next delivery
+starts a fresh window, so gaps caused by the application never count as a slow link. Without such
+calls, a gap longer than ``idle_gap_s`` between deliveries has the same effect.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from wanlink.errors import ConfigError
+
+
+class DeliveryRateEstimator:
+    """Windowed delivery-rate samples, summarised by a low percentile (bytes/s)."""
+
+    def __init__(self, *, window_s: float = 0.5, horizon_s: float = 3.0, percentile: float = 10.0,
+                 idle_gap_s: float | None = 1.0):
+        if not (0 < window_s < horizon_s and 0 <= percentile <= 100):
+            raise ConfigError(f"need 0 < window_s < horizon_s and 0 <= percentile <= 100 "
+                              f"(got {window_s}, {horizon_s}, {percentile})")
+        if idle_gap_s is not None and idle_gap_s <= 0:
+            raise ConfigError(f"idle_gap_s must be > 0 or None, got {idle_gap_s}")
+        self.window_s, self.horizon_s, self.percentile = float(window_s), float(horizon_s), float(percentile)
+        self.idle_gap_s = idle_gap_s
+        self._grain = window_s / 32  # deliveries closer than this are merged (bounds memory)
+        self._spacing = window_s / 8  # at most one sample per spacing (bounds memory)
+        self._run: deque[tuple[float, int]] = deque()  # (t, cumulative bytes) of the current busy run
+        self._cum = 0
+        self._samples: deque[tuple[float, float]] = deque()  # (t, bytes/s)
+        self._last_t: float | None = None
+        self.total_bytes = 0
+
+    def on_delivery(self, nbytes: int, t: float) -> None:
+        """``nbytes`` were delivered (acked) at time ``t`` (seconds, non-decreasing)."""
+        if nbytes < 0 or not math.isfinite(t):
+            raise ConfigError(f"need nbytes >= 0 and a finite time (got {nbytes}, {t})")
+        if self._last_t is not None and t < self._last_t:
+            raise ConfigError(f"delivery time went backwards: {t} < {self._last_t}")
+        if self._last_t is not None and self.idle_gap_s is not None and t - self._last_t > self.idle_gap_s:
+            self._run.clear()
+        self._last_t = t
+        self._cum += nbytes
+        self.total_bytes += nbytes
+        run = self._run
+        if len(run) >= 2 and t - run[-2][0] < self._grain:
+            run[-1] = (t, self._cum)  # merge into the newest entry
+        else:
+            run.append((t, self._cum))
+        # keep exactly one entry at least a window old: the start of the newest full window
+        while len(run) >= 2 and t - run[1][0] >= self.window_s:
+            run.popleft()
+        t0, c0 = run[0]
+        if t - t0 >= self.window_s and (not self._samples or t - self._samples[-1][0] >= self._spacing):
+            self._samples.append((t, (self._cum - c0) / (t - t0)))
+        while self._samples and self._samples[0][0] < t - self.horizon_s:
+            self._samples.popleft()
+
+    def on_idle(self, t: float) -> None:
+        """The sender had nothing left to send at ``t``: do not measure across the coming gap."""
+        self._run.clear()
+
+    def estimate(self) -> float | None:
+        """Low-percentile delivered rate in bytes/s over the horizon; None before the first window."""
+        if not self._samples:
+            return None
+        rates = sorted(rate for _, rate in self._samples)
+        pos = (len(rates) - 1) * self.percentile / 100.0
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(rates) - 1)
+        return rates[lo] + (rates[hi] - rates[lo]) * (pos - lo)
+
+    @property
+    def samples(self) -> int:
+        return len(self._samples)
+
+    def age(self, now: float) -> float | None:
+        """Seconds since the newest sample (how stale ``estimate`` is); None without samples."""
+        return None if not self._samples else max(0.0, now - self._samples[-1][0])
