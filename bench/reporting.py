@@ -18,15 +18,12 @@ def machine_info() -> dict:
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
-    """columns: (key, header, format spec)."""
-    widths = [max(len(header), 10) for _key, header, _fmt in columns]
+    """columns: (key, header, format spec); each column as wide as its widest cell."""
+    cells = [[format(row[key], fmt) if row.get(key, "") != "" else "" for key, _h, fmt in columns] for row in rows]
+    widths = [max([len(header)] + [len(line[i]) for line in cells]) for i, (_k, header, _f) in enumerate(columns)]
     print("  ".join(f"{header:>{w}}" for (_k, header, _f), w in zip(columns, widths)))
-    for row in rows:
-        cells = []
-        for (key, _header, fmt), width in zip(columns, widths):
-            value = row.get(key, "")
-            cells.append(f"{value:>{width}{fmt}}" if value != "" else " " * width)
-        print("  ".join(cells))
+    for line in cells:
+        print("  ".join(f"{cell:>{w}}" for cell, w in zip(line, widths)))
 
 
 def save_json(name: str, payload: dict) -> Path:

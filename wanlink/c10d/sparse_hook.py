@@ -105,8 +105,9 @@ class BlockSparseState:
         self.iteration = 0
         self.bytes_sent = 0
         self._codecs: dict[int, _BucketCodec] = {}
-        self._bucket_params: dict[int, list[torch.Tensor]] = {}
-        self._in_flight: dict[int, torch.futures.Future] = {}  # staleness: last step's exchange per bucket
+        # staleness: per step, where each parameter's aggregate will be: (future of its bucket, offset, numel).
+        # Keyed by parameter, not bucket, because DDP rebuilds its buckets after the first step.
+        self._results: dict[int, dict[torch.Tensor, tuple]] = {}
         self._sparse_grads: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- used by the hook ------------------------------------------------------------------------
@@ -135,24 +136,21 @@ class BlockSparseState:
         mode refreshes ``sparse_grads()``. Returns True when there was a step to apply: then call
         the optimizer's ``step`` once more. Needed at the end of training and before checkpoints.
         """
-        if not self._in_flight:
+        if not self._results:
             return False
-        pending, self._in_flight = self._in_flight, {}
-        for index, future in sorted(pending.items()):
+        latest = self._results.pop(max(self._results))
+        self._results.clear()
+        for param, (future, offset, numel) in latest.items():
             aggregated = future.wait()
             if not self.sparse_optimizer:
-                offset = 0
-                for param in self._bucket_params[index]:
-                    n = param.numel()
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    param.grad.copy_(aggregated[offset:offset + n].view_as(param))
-                    offset += n
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                param.grad.copy_(aggregated[offset:offset + numel].view_as(param))
         return True
 
     def state_dict(self) -> dict:
         """Error-feedback residuals and thresholds per bucket, and the step counter. Flush first."""
-        if self._in_flight:
+        if self._results:
             raise ConfigError("a step is still in flight: call flush() and step the optimizer before checkpointing")
         return {"iteration": self.iteration, "density": self.density,
                 "buckets": {index: [s.state_dict() for s in codec.sparsifiers] for index, codec in self._codecs.items()}}
@@ -188,7 +186,6 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     iteration = state.iteration
     if bucket.is_last():
         state.iteration += 1
-    state._bucket_params[index] = list(bucket.parameters())
     if iteration < state.warmup_steps:
         return _dense_average(state, buffer)
 
@@ -200,7 +197,7 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     with deadline_scope((iteration, -index)):
         work = _all_gather_single(gathered, message, group=state.process_group, async_op=True)
     state.bytes_sent += message.numel() * (world - 1)
-    params = state._bucket_params[index]
+    params = list(bucket.parameters())
 
     if state.sparse_optimizer:
         def finish(_future):
@@ -219,8 +216,32 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     exchange = work.get_future().then(finish)
     if not state.staleness:
         return exchange
-    previous = state._in_flight.get(index)
-    state._in_flight[index] = exchange
-    if previous is None:  # first sparse step: nothing aggregated yet, this step applies no update
-        return _completed(torch.zeros_like(buffer))
-    return previous
+    return _previous_step_result(state, iteration, params, exchange, buffer)
+
+
+def _previous_step_result(state: BlockSparseState, iteration: int, params: list, exchange, buffer: torch.Tensor):
+    """Staleness 1: record where this step's aggregate will be; return last step's for these parameters."""
+    current = state._results.setdefault(iteration, {})
+    offset = 0
+    for param in params:
+        current[param] = (exchange, offset, param.numel())
+        offset += param.numel()
+    for older in [step for step in state._results if step < iteration - 1]:
+        del state._results[older]
+    previous = state._results.get(iteration - 1, {})
+    sources = [previous.get(param) for param in params]
+    futures = list({id(src[0]): src[0] for src in sources if src is not None}.values())
+    out = torch.zeros_like(buffer)
+    if not futures:  # first sparse step: nothing aggregated yet, this step applies no update
+        return _completed(out)
+
+    def assemble(_done):
+        position = 0
+        for param, source in zip(params, sources):
+            if source is not None:
+                future, start, numel = source
+                out[position:position + numel] = future.value()[start:start + numel]
+            position += param.numel()
+        return out
+
+    return torch.futures.collect_all(futures).then(assemble)
