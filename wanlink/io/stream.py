@@ -43,17 +43,17 @@ class Stream:
 
     def start(self) -> None:
         self._tasks = [
-            self.loop.create_task(self._guard(self._read_loop()), name=f"wanlink-read-{self.index}"),
-            self.loop.create_task(self._guard(self._write_loop()), name=f"wanlink-write-{self.index}"),
+            self.loop.create_task(self._guard(self._read_loop), name=f"wanlink-read-{self.index}"),
+            self.loop.create_task(self._guard(self._write_loop), name=f"wanlink-write-{self.index}"),
         ]
 
     def queue_control(self, frame: bytes) -> None:
         self.control.append(frame)
         self.wake.set()
 
-    async def _guard(self, loop_coro) -> None:
+    async def _guard(self, run) -> None:
         try:
-            await loop_coro
+            await run()
         except asyncio.CancelledError:
             raise
         except (ConnectionError, OSError) as exc:
@@ -163,13 +163,25 @@ class Stream:
             close_quietly(self.sock)
 
     async def close(self, grace: float) -> None:
-        """Let the writer finish its frame and say goodbye (CLOSE, within ``grace`` s), then abort."""
+        """Say goodbye within ``grace`` s, then abort.
+
+        The writer finishes its frame and sends CLOSE; then our side is shut (FIN) and the reader
+        drains until the peer closes too, so neither side resets a connection with unread bytes.
+        """
         if self.alive and self._tasks:
             self.closing = True
             self.queue_control(CLOSE_FRAME)
+            loop = self.loop
+            deadline = loop.time() + grace
             _done, late = await asyncio.wait({self._tasks[1]}, timeout=grace)
             if late:
                 log.debug("stream %d: CLOSE not delivered within %.1f s", self.index, grace)
+            else:
+                try:
+                    self.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                await asyncio.wait({self._tasks[0]}, timeout=max(0.0, deadline - loop.time()))
         self.abort()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         close_quietly(self.sock)
