@@ -403,3 +403,23 @@ async def test_handshakes_in_progress_are_bounded():
             idle_writer.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_small_messages_spread_over_streams(pair):
+    for tag in range(40):
+        await asyncio.gather(pair.client.send(b"x" * 100, tag=tag), pair.accepted.recv_into(bytearray(100), tag=tag))
+    per_stream = pair.client.stats()["chunks_sent_per_stream"]
+    assert sum(per_stream) == 40 and sum(1 for n in per_stream if n) >= 2
+
+
+async def test_peer_close_does_not_fail_sends_whose_acks_are_still_arriving():
+    p = await open_pair(4)
+    try:
+        data = bytes(8 * MiB)
+        out = bytearray(len(data))
+        sent = asyncio.ensure_future(p.client.send(data, tag=1))
+        await p.accepted.recv_into(out, tag=1)
+        await p.accepted.close()  # closes right after the last chunk: its acks are still on the way
+        await asyncio.wait_for(sent, 10)  # every ack arrives before the CLOSE behind it on each stream
+    finally:
+        await p.close()

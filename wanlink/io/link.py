@@ -108,6 +108,7 @@ class Link:
         self._recv_waiters: dict[Incoming, asyncio.Future] = {}
         self._controls: asyncio.Queue = asyncio.Queue(limits.max_pending_control)
         self._closing = False
+        self._wake_start = 0
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
@@ -263,8 +264,9 @@ class Link:
         stream.abort()
         if self._closing or self.error is not None:
             return
-        if self.peer_closed:
-            self.fail(PeerLost(f"{self.peer} closed the link"))
+        if self.peer_closed:  # each stream ends after its last acks and CLOSE: fail only after all of them
+            if self.streams_alive == 0:
+                self.fail(PeerLost(f"{self.peer} closed the link"))
             return
         unacked = stream.take_unacked()
         for chunk in unacked:
@@ -319,7 +321,11 @@ class Link:
             self._controls.put_nowait(_LINK_FAILED)
 
     def _wake_writers(self) -> None:
-        for stream in self._streams:
+        """Wake every idle writer, starting one further each time so small messages spread over streams."""
+        count = len(self._streams)
+        self._wake_start = (self._wake_start + 1) % count
+        for i in range(count):
+            stream = self._streams[(self._wake_start + i) % count]
             if stream.alive:
                 stream.wake.set()
 
