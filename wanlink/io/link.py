@@ -215,6 +215,12 @@ class Link:
         return message
 
     # -- called by streams ------------------------------------------------------------------------
+    def place(self, header: Header) -> memoryview:
+        """Where a DATA chunk's payload goes; once closing, nowhere (the caller's buffers are released)."""
+        if self._closing:
+            return self.reassembler.scratch_view(header.raw_len)
+        return self.reassembler.place(header)
+
     def chunk_received(self, header: Header) -> None:
         entry = self.reassembler.chunk_done(header)
         if entry is None:

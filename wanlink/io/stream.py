@@ -33,7 +33,7 @@ class Stream:
         self.in_flight: dict[tuple[int, int, int], Chunk] = {}
         self.control: list[bytes] = []
         self.wake = asyncio.Event()
-        self.decoder = FrameDecoder(link.reassembler.place, link.limits)
+        self.decoder = FrameDecoder(link.place, link.limits)
         loop = asyncio.get_running_loop()
         self.loop = loop
         self.last_rx = self.last_tx = loop.time()
@@ -72,6 +72,8 @@ class Stream:
             self.bytes_received += n
             for event in decoder.advance(n):
                 if type(event) is ChunkReceived:
+                    if link.closed:  # draining after our CLOSE: the payload went to scratch
+                        continue
                     self.chunks_received += 1
                     header = event.header
                     link.chunk_received(header)
@@ -95,7 +97,7 @@ class Stream:
                 continue
             if self.closing:
                 return
-            chunk = queue.pop()
+            chunk = None if link.peer_closed else queue.pop()  # a closing peer reads no more data
             if chunk is not None:
                 if not chunk.acked:
                     await self._send_chunk(chunk)

@@ -110,10 +110,10 @@ class Reassembler:
         if header.tag < 0:
             if header.tag != DISCARD_TAG:
                 raise ProtocolError(f"data on reserved tag {header.tag}")
-            return self._scratch_view(header.raw_len)
+            return self.scratch_view(header.raw_len)
         state = self._tags.setdefault(header.tag, _TagState())
         if state.is_completed(header.seq):
-            return self._scratch_view(header.raw_len)
+            return self.scratch_view(header.raw_len)
         entry = self._incoming.get((header.tag, header.seq))
         if entry is None:
             entry = self._new_entry(header.tag, header.seq, None)
@@ -124,7 +124,7 @@ class Reassembler:
         elif entry.total != header.total:
             raise ProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
         if header.offset in entry.chunks or entry.error is not None:
-            return self._scratch_view(header.raw_len)
+            return self.scratch_view(header.raw_len)
         if entry.buffer is not None:
             orphan = entry.staged.pop(header.offset, None)  # staged by a stream that died mid-chunk
             if orphan is not None:
@@ -205,7 +205,8 @@ class Reassembler:
         self._tags[entry.tag].mark_completed(entry.seq)
         del self._incoming[(entry.tag, entry.seq)]
 
-    def _scratch_view(self, nbytes: int) -> memoryview:
+    def scratch_view(self, nbytes: int) -> memoryview:
+        """A reused sink for bytes that must be read off the wire and dropped."""
         if nbytes > len(self._scratch):
             self._scratch = memoryview(bytearray(nbytes))
         return self._scratch[:nbytes]
