@@ -10,13 +10,17 @@ from wanlink.errors import (
     DesyncError,
     LimitExceeded,
     MessageSizeError,
+    NonFiniteGradientError,
     PeerLost,
     ProtocolError,
     UnsupportedError,
     WanlinkError,
 )
 
+from wanlink.c10d._register import install as _install_torch_backend
+
 __version__ = "0.1.0"
+_install_torch_backend()  # registers backend "wanlink" with torch.distributed, now or once it is imported
 
 _LAZY = {
     "connect": ("wanlink.io.link", "connect"),
@@ -27,7 +31,7 @@ _LAZY = {
 
 __all__ = [
     "AuthenticationError", "ConfigError", "DeadlineExceeded", "DesyncError", "LimitExceeded",
-    "MessageSizeError", "PeerLost", "ProtocolError", "UnsupportedError", "WanlinkError",
+    "MessageSizeError", "NonFiniteGradientError", "PeerLost", "ProtocolError", "UnsupportedError", "WanlinkError",
     *_LAZY,
 ]
 

@@ -1,0 +1,217 @@
+"""The collective algorithms on an in-memory Comm (no sockets): every member is a coroutine."""
+import asyncio
+
+import pytest
+import torch
+
+from wanlink.collectives import direct, ring
+from wanlink.collectives.base import piece_bounds, piece_count
+from wanlink.collectives.reduce_ops import reducer_for
+
+
+class MemoryComm:
+    """Members of one world in one event loop, matched like the transport: the k-th send from A
+    to B on a piece is received by the k-th recv B posts for A on that piece (strict FIFO)."""
+
+    def __init__(self, world: dict, rank: int, size: int, piece_bytes: int):
+        self.world, self.rank, self.size, self.piece_bytes = world, rank, size, piece_bytes
+        self.sent_bytes = 0
+
+    def _slot(self, src: int, dst: int, piece: int, counter: str) -> asyncio.Future:
+        key = (src, dst, piece)
+        index = self.world.setdefault((counter, key), 0)
+        self.world[(counter, key)] = index + 1
+        slots = self.world.setdefault("slots", {})
+        return slots.setdefault((key, index), asyncio.get_running_loop().create_future())
+
+    async def send(self, peer, tensor, piece=0):
+        assert peer != self.rank and tensor.is_contiguous()
+        if tensor.numel():
+            self.sent_bytes += tensor.numel() * tensor.element_size()
+            # zero-copy like the transport: the receiver reads the buffer later, then acknowledges
+            acknowledged = asyncio.Event()
+            self._slot(self.rank, peer, piece, "sent").set_result((tensor, acknowledged))
+            await acknowledged.wait()
+
+    async def recv(self, peer, tensor, piece=0):
+        assert peer != self.rank and tensor.is_contiguous()
+        if tensor.numel():
+            slot = self._slot(peer, self.rank, piece, "posted")
+            message, acknowledged = await slot
+            assert message.numel() == tensor.numel(), "message size differs from the posted buffer"
+            await asyncio.sleep(0)  # let the sender run on (it must not touch the buffer meanwhile)
+            tensor.copy_(message)
+            acknowledged.set()
+            slot.consumed = True
+
+    async def compute(self, fn, *args):
+        fn(*args)
+
+    def empty(self, numel, dtype):
+        return torch.full((numel,), 77, dtype=dtype)  # garbage that must be overwritten
+
+
+def run_members(size, member, piece_bytes=64):
+    """Run ``member(comm)`` for every rank concurrently; return their results in rank order."""
+    async def main():
+        world = {}
+        comms = [MemoryComm(world, rank, size, piece_bytes) for rank in range(size)]
+        results = await asyncio.wait_for(asyncio.gather(*(member(comm) for comm in comms)), 20)
+        leftovers = [key for key, slot in world.get("slots", {}).items() if not getattr(slot, "consumed", False)]
+        assert not leftovers, f"messages nobody received: {leftovers}"
+        return results
+    return asyncio.run(main())
+
+
+def data(rank, numel, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(rank)
+    if dtype.is_floating_point:
+        return torch.randint(-8, 8, (numel,), generator=generator).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=generator).bool()
+    return torch.randint(0, 100, (numel,), generator=generator).to(dtype)
+
+
+def reference(op, tensors):
+    result = tensors[0].clone()
+    for tensor in tensors[1:]:
+        reducer_for(op, result.dtype, "test")(result, tensor)
+    return result
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("numel", [0, 1, 7, 1000, 4099])
+@pytest.mark.parametrize("algorithm", [direct.allreduce, ring.allreduce])
+def test_allreduce_sum(size, numel, algorithm):
+    async def member(comm):
+        tensor = data(comm.rank, numel)
+        await algorithm(comm, tensor, reducer_for("sum", tensor.dtype, "t"))
+        return tensor
+    expected = reference("sum", [data(rank, numel) for rank in range(size)])
+    for result in run_members(size, member):
+        assert torch.equal(result, expected)
+
+
+@pytest.mark.parametrize("op,dtype", [("max", torch.int32), ("min", torch.float64), ("product", torch.int64),
+                                      ("band", torch.uint8), ("bxor", torch.int8), ("bor", torch.bool)])
+def test_ring_allreduce_ops(op, dtype):
+    async def member(comm):
+        tensor = data(comm.rank, 777, dtype)
+        await ring.allreduce(comm, tensor, reducer_for(op, dtype, "t"))
+        return tensor
+    expected = reference(op, [data(rank, 777, dtype) for rank in range(4)])
+    assert all(torch.equal(result, expected) for result in run_members(4, member))
+
+
+def test_ring_allreduce_bytes_per_member():
+    """Each member sends 2(n-1)/n of the buffer, not (n-1) times it."""
+    numel, size = 4000, 4
+    counters = {}
+
+    async def member(comm):
+        await ring.allreduce(comm, data(comm.rank, numel), reducer_for("sum", torch.float32, "t"))
+        counters[comm.rank] = comm.sent_bytes
+    run_members(size, member)
+    assert all(sent == 2 * (size - 1) * numel * 4 // size for sent in counters.values())
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("algorithm", [direct.reduce_scatter, ring.reduce_scatter_into])
+def test_reduce_scatter(size, algorithm):
+    block = 301
+
+    async def member(comm):
+        blocks = [data(comm.rank * 10 + k, block) for k in range(size)]
+        out = torch.empty(block)
+        await algorithm(comm, blocks, out, reducer_for("sum", torch.float32, "t"))
+        return out
+    for rank, result in enumerate(run_members(size, member)):
+        assert torch.equal(result, reference("sum", [data(k * 10 + rank, block) for k in range(size)]))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_ring_reduce_scatter_into_leaves_blocks_untouched(size, op):
+    sizes = [(37 * k) % 101 for k in range(size)]  # uneven, some empty
+
+    async def member(comm):
+        blocks = [data(comm.rank * 10 + k, sizes[k]) for k in range(size)]
+        originals = [b.clone() for b in blocks]
+        out = torch.full((sizes[comm.rank],), -99.0)
+        await ring.reduce_scatter_into(comm, blocks, out, reducer_for(op, torch.float32, "t"))
+        assert all(torch.equal(a, b) for a, b in zip(blocks, originals)), "input blocks were modified"
+        return out
+    for rank, result in enumerate(run_members(size, member, piece_bytes=40)):
+        assert torch.equal(result, reference(op, [data(k * 10 + rank, sizes[rank]) for k in range(size)]))
+
+
+@pytest.mark.parametrize("size,root", [(2, 1), (3, 0), (4, 2)])
+@pytest.mark.parametrize("algorithm", [direct.reduce, ring.reduce])
+def test_reduce(size, root, algorithm):
+    async def member(comm):
+        tensor = data(comm.rank, 1001)
+        await algorithm(comm, tensor, root, reducer_for("sum", torch.float32, "t"))
+        return tensor
+    results = run_members(size, member)
+    assert torch.equal(results[root], reference("sum", [data(rank, 1001) for rank in range(size)]))
+    for rank in range(size):
+        if rank != root:
+            assert torch.equal(results[rank], data(rank, 1001)), "a non-root's tensor was modified"
+
+
+@pytest.mark.parametrize("size,root", [(2, 0), (3, 2), (5, 1)])
+@pytest.mark.parametrize("algorithm", [direct.broadcast, ring.broadcast])
+def test_broadcast(size, root, algorithm):
+    async def member(comm):
+        tensor = data(root, 999) if comm.rank == root else torch.zeros(999)
+        await algorithm(comm, tensor, root)
+        return tensor
+    assert all(torch.equal(result, data(root, 999)) for result in run_members(size, member))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("use_ring", [False, True])
+def test_all_gather_uneven(size, use_ring):
+    sizes = [5 * rank + 1 for rank in range(size)]
+
+    async def member(comm):
+        mine = data(comm.rank, sizes[comm.rank])
+        outputs = [torch.empty(n) for n in sizes]
+        if use_ring:
+            outputs[comm.rank].copy_(mine)
+            await ring.all_gather(comm, outputs)
+        else:
+            await direct.all_gather(comm, mine, outputs)
+        return outputs
+    for outputs in run_members(size, member):
+        assert all(torch.equal(outputs[k], data(k, sizes[k])) for k in range(size))
+
+
+def test_rooted_and_all_to_all():
+    size = 3
+
+    async def member(comm):
+        mine = data(comm.rank, 4)
+        gathered = [torch.empty(4) for _ in range(size)] if comm.rank == 1 else None
+        await direct.gather(comm, mine, 1, gathered)
+        scattered = torch.empty(4)
+        sources = [data(100 + k, 4) for k in range(size)] if comm.rank == 2 else None
+        await direct.scatter(comm, sources, 2, scattered)
+        inputs = [data(comm.rank * 10 + k, k + 1) for k in range(size)]
+        outputs = [torch.empty(comm.rank + 1) for _ in range(size)]
+        await direct.all_to_all(comm, inputs, outputs)
+        await direct.barrier(comm)
+        return gathered, scattered, outputs
+    results = run_members(size, member)
+    assert all(torch.equal(results[1][0][k], data(k, 4)) for k in range(size))
+    for rank, (_, scattered, outputs) in enumerate(results):
+        assert torch.equal(scattered, data(100 + rank, 4))
+        assert all(torch.equal(outputs[k], data(k * 10 + rank, rank + 1)) for k in range(size))
+
+
+def test_piece_helpers():
+    assert piece_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert piece_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert piece_count(0, 4, 64) == 1
+    assert piece_count(1000, 4, 64) == 63
+    assert piece_count(10, 4, 1) == 10

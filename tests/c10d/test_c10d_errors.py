@@ -1,0 +1,136 @@
+"""Error paths: unsupported requests, desynchronised ranks, timeouts and dead peers never hang."""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from c10d_worlds import run_world
+
+
+def unsupported_requests(rank, size):
+    """Each request must raise UnsupportedError naming its op, synchronously, on every rank."""
+    from wanlink.errors import UnsupportedError
+
+    attempts = {
+        "all_reduce": lambda: dist.all_reduce(torch.ones(2, dtype=torch.float8_e4m3fn)),
+        "all_reduce BAND": lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
+        "all_reduce PREMUL_SUM": lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0)),
+        "recv": lambda: dist.recv(torch.ones(2)),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.ones(2), torch.ones(2 * size).to_sparse()),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        with pytest.raises(UnsupportedError, match="wanlink") as caught:
+            attempt()
+        assert caught.type is UnsupportedError or issubclass(caught.type, UnsupportedError), name
+        messages[name] = str(caught.value)
+    dist.barrier()  # the group still works afterwards
+    tensor = torch.ones(3)
+    dist.all_reduce(tensor)
+    assert torch.equal(tensor, torch.full((3,), float(size)))
+    return messages
+
+
+def test_unsupported_requests_raise_naming_the_op():
+    for messages in run_world(2, unsupported_requests, timeout=90):
+        for name, message in messages.items():
+            op = name.split()[0]
+            assert f"wanlink {op}" in message or op.replace("_", " ") in message, (name, message)
+        assert "PREMUL_SUM" in messages["all_reduce PREMUL_SUM"]
+        assert "float8_e4m3fn" in messages["all_reduce"]
+
+
+def desynchronised(rank, size):
+    from wanlink.errors import DesyncError
+
+    dist.all_reduce(torch.ones(4))  # in step
+    with pytest.raises(DesyncError) as caught:
+        if rank == 0:
+            dist.all_reduce(torch.ones(4))
+        else:
+            dist.broadcast(torch.ones(4), src=0)
+    return str(caught.value)
+
+
+def test_detail_debug_names_the_mismatch():
+    messages = run_world(2, desynchronised, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=90)
+    for message in messages:
+        assert "#1 all_reduce(dtype float32, 4 elements)" in message, message
+        assert "#1 broadcast(dtype float32, 4 elements, root 0)" in message, message
+
+
+def dtype_desync(rank, size):
+    from wanlink.errors import DesyncError
+
+    with pytest.raises(DesyncError) as caught:
+        dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64))
+    return str(caught.value)
+
+
+def test_detail_debug_catches_dtype_mismatch():
+    for message in run_world(2, dtype_desync, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=90):
+        assert "float32" in message and "float64" in message, message
+
+
+def one_rank_skips(rank, size):
+    from wanlink.errors import DeadlineExceeded
+
+    if rank == 1:
+        time.sleep(8)  # never joins the collective; stays alive past rank 0's timeout
+        return "skipped"
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as caught:
+        dist.all_reduce(torch.ones(8), async_op=True).wait()
+    return str(caught.value), time.monotonic() - started
+
+
+def test_init_process_group_timeout_is_honoured():
+    results = run_world(2, one_rank_skips, init_timeout=3, timeout=90)
+    message, elapsed = results[0]
+    assert "all_reduce" in message and "within 3 s" in message, message
+    assert elapsed >= 2.5, f"raised after {elapsed:.1f} s, before the 3 s timeout"
+
+
+def peer_dies(rank, size, big):
+    from wanlink.errors import PeerLost
+
+    if rank == size - 1:
+        dist.barrier()
+        os._exit(17)  # dies without a word (maybe before acknowledging the barrier's last bytes)
+    numel = 1 << 20 if big else 16
+    with pytest.raises(PeerLost):
+        dist.barrier()
+        for _ in range(50):  # the peer may still be flushing when the first one starts
+            dist.all_reduce(torch.ones(numel), async_op=True).wait()
+            time.sleep(0.05)
+    return "raised"
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["direct", "ring"])
+def test_dead_peer_fails_pending_work_before_the_timeout(big):
+    outcomes = run_world(3, peer_dies, big, init_timeout=120, timeout=90, allow_errors=True)
+    assert outcomes[:2] == [("ok", "raised"), ("ok", "raised")], outcomes
+    assert "exit code 17" in outcomes[2][1]
+
+
+def one_rank_late_for_monitored_barrier(rank, size):
+    from wanlink.c10d import monitored_barrier
+    from wanlink.errors import DeadlineExceeded
+
+    if rank == size - 1:
+        time.sleep(6)
+        return "late"
+    with pytest.raises(DeadlineExceeded) as caught:
+        monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
+    return str(caught.value)
+
+
+def test_monitored_barrier_names_the_missing_rank():
+    results = run_world(3, one_rank_late_for_monitored_barrier, init_timeout=60, timeout=90)
+    assert "rank(s) [2] did not reach the barrier" in results[0], results[0]
+    assert "monitored_barrier" in results[1], results[1]

@@ -1,0 +1,218 @@
+"""The links of one process to the other members of a world, set up through the torch Store.
+
+Every member runs one wanlink server and publishes ``host:port`` under ``wanlink/addr/<rank>``.
+Links are made at start-up (and re-requested lazily), one per pair of members, and shared by every process group of that world:
+the member with the higher rank connects, the lower one accepts. The shared secret is
+``WANLINK_SECRET`` when set, otherwise made by rank 0 and handed out through the Store (see
+docs/c10d.md for what that means for trust).
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_KEY = "wanlink/addr/{rank}"
+SECRET_KEY = "wanlink/secret"
+WORLD_KEY = "wanlink/world"
+
+
+def _root_store(store: dist.Store) -> dist.Store:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _route_address(towards: str) -> str:
+    """The local address the kernel would use to reach ``towards`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((towards, 9))
+        return probe.getsockname()[0]
+
+
+def advertised_address(store: dist.Store) -> tuple[str, str]:
+    """(bind host, advertised host): ``WANLINK_ADDR``/``WANLINK_BIND`` or derived from the Store.
+
+    A loopback or file-backed Store means a single-host world: bind and advertise 127.0.0.1.
+    Otherwise advertise the address that routes to the Store's host and bind all interfaces.
+    """
+    advertised = os.environ.get("WANLINK_ADDR")
+    if not advertised:
+        root = _root_store(store)
+        store_host = getattr(root, "host", None) if isinstance(root, dist.TCPStore) else None
+        if not store_host or _is_loopback(store_host):
+            advertised = "127.0.0.1"
+        else:
+            try:
+                advertised = _route_address(socket.gethostbyname(store_host))
+            except OSError:
+                advertised = socket.gethostname()
+    default_bind = "127.0.0.1" if _is_loopback(advertised) else "0.0.0.0"
+    return os.environ.get("WANLINK_BIND", default_bind), advertised
+
+
+def shared_secret(store: dist.Store, rank: int, timeout: timedelta) -> bytes:
+    """``WANLINK_SECRET`` if set; else rank 0 makes a random one and publishes it in the Store."""
+    from_env = os.environ.get("WANLINK_SECRET")
+    if from_env:
+        return from_env.encode()
+    if rank == 0:
+        made = secrets.token_hex(32).encode()
+        store.set(SECRET_KEY, made)
+        return made
+    return _store_get(store, SECRET_KEY, timeout)
+
+
+def _store_get(store: dist.Store, key: str, timeout: timedelta) -> bytes:
+    try:
+        store.wait([key], timeout)
+    except RuntimeError as error:  # torch reports store timeouts as RuntimeError/DistStoreError
+        raise DeadlineExceeded(f"wanlink rendezvous: key {key!r} not published within {timeout}") from error
+    return store.get(key)
+
+
+class Mesh:
+    """One server plus lazily made links to the other ``size`` - 1 members of a world."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, streams: int | None = None):
+        import wanlink
+        from wanlink.io.runtime import get_runtime
+
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.runtime = get_runtime()
+        self.secret = shared_secret(store, rank, timeout)
+        if rank == 0:
+            store.set(WORLD_KEY, secrets.token_hex(8))
+        self.world = _store_get(store, WORLD_KEY, timeout).decode()
+        self.streams = streams
+        self.compress = os.environ.get("WANLINK_COMPRESS", "0") == "1"  # lz4 per chunk where it shrinks
+        self._links: dict[int, asyncio.Future] = {}
+        self._slots: dict[int, str] = {}
+        self._closed = False
+        bind, advertised = advertised_address(store)
+        self.server = self.runtime.run(
+            wanlink.serve(bind, 0, secret=self.secret, on_link=self._on_link, compress=self.compress),
+            timeout.total_seconds())
+        store.set(ADDRESS_KEY.format(rank=rank), f"{advertised}:{self.server.port}")
+        self.addresses: dict[int, tuple[str, int]] = {}
+        for peer in range(size):
+            host, _, port = _store_get(store, ADDRESS_KEY.format(rank=peer), timeout).decode().rpartition(":")
+            self.addresses[peer] = (host, int(port))
+        try:
+            self.runtime.run(self._link_all(), timeout.total_seconds())
+        except DeadlineExceeded:
+            missing = sorted(peer for peer, slot in self._links.items() if not slot.done())
+            self.close()
+            raise DeadlineExceeded(f"wanlink rendezvous: rank {rank} has no link to rank(s) {missing} "
+                                   f"after {timeout}") from None
+
+    async def _link_all(self) -> None:
+        """Make every link now, so a peer that is missing or dies later is noticed by its link."""
+        await asyncio.gather(*(self.link(peer) for peer in range(self.size) if peer != self.rank))
+
+    def claim_slot(self, group_name: str) -> int:
+        """The tag slot of a group on this mesh; two groups whose names collide are refused."""
+        from wanlink.c10d.tags import group_slot
+
+        slot = group_slot(group_name)
+        owner = self._slots.setdefault(slot, group_name)
+        if owner != group_name:
+            raise ConfigError(f"wanlink: groups {owner!r} and {group_name!r} hash to the same tag slot {slot}; "
+                              f"give one of them another group_desc/name")
+        return slot
+
+    # -- loop-thread side ------------------------------------------------------------------
+    def _slot(self, peer: int) -> asyncio.Future:
+        slot = self._links.get(peer)
+        if slot is None:
+            slot = self._links[peer] = asyncio.get_running_loop().create_future()
+            if peer < self.rank:
+                asyncio.ensure_future(self._connect(peer, slot))
+        return slot
+
+    async def _connect(self, peer: int, slot: asyncio.Future) -> None:
+        import wanlink
+
+        host, port = self.addresses[peer]
+        try:
+            link = await wanlink.connect(host, port, streams=self.streams, secret=self.secret,
+                                         meta={"rank": self.rank, "world": self.world},
+                                         timeout=self.timeout.total_seconds(), compress=self.compress)
+        except BaseException as error:  # noqa: BLE001 - handed to every waiter
+            if not slot.done():
+                slot.set_exception(PeerLost(f"wanlink: cannot connect rank {self.rank} -> rank {peer} "
+                                            f"at {host}:{port}: {error!r}"))
+            return
+        if slot.done():
+            await link.close()
+        else:
+            slot.set_result(link)
+
+    async def _on_link(self, link) -> None:
+        meta = link.peer_meta or {}
+        peer = meta.get("rank")
+        if meta.get("world") != self.world or not isinstance(peer, int) or not self.rank < peer < self.size:
+            logger.warning("wanlink: refusing link from %s with meta %r (world %s, rank %d)",
+                           link.peer, meta, self.world, self.rank)
+            await link.close()
+            return
+        slot = self._slot(peer)
+        if slot.done():
+            logger.warning("wanlink: duplicate link from rank %d ignored", peer)
+            await link.close()
+            return
+        slot.set_result(link)
+
+    def cached(self, peer: int):
+        """The link to ``peer`` if it is already up, else None (loop thread)."""
+        slot = self._links.get(peer)
+        if slot is not None and slot.done() and not slot.cancelled() and slot.exception() is None:
+            return slot.result()
+        return None
+
+    async def link(self, peer: int):
+        """The link to ``peer``, made on first use (loop thread)."""
+        if self._closed:
+            raise PeerLost(f"wanlink: the mesh of rank {self.rank} is shut down")
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ConfigError(f"wanlink: no link from rank {self.rank} to rank {peer} (world of {self.size})")
+        return await asyncio.shield(self._slot(peer))
+
+    async def _close(self) -> None:
+        self._closed = True
+        self.server.close()
+        links = [slot.result() for slot in self._links.values()
+                 if slot.done() and not slot.cancelled() and slot.exception() is None]
+        for slot in self._links.values():
+            if not slot.done():
+                slot.set_exception(PeerLost("wanlink: mesh shut down"))
+            elif not slot.cancelled():
+                slot.exception()  # mark retrieved
+        await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+        await asyncio.gather(self.server.wait_closed(), return_exceptions=True)
+
+    def close(self) -> None:
+        """Close the server and every link (idempotent; safe from any non-loop thread)."""
+        if self._closed or not self.runtime.running:
+            return
+        try:
+            self.runtime.run(self._close(), timeout=10.0)
+        except Exception as error:  # noqa: BLE001 - shutting down; nothing to recover
+            logger.debug("wanlink: mesh close: %r", error)

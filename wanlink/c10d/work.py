@@ -1,0 +1,71 @@
+"""Work objects that torch.distributed hands back for ``async_op=True`` calls."""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from datetime import timedelta
+
+import torch
+from torch._C._distributed_c10d import Work
+
+from wanlink.errors import DeadlineExceeded
+
+_completions = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="wanlink-complete")
+"""Completes torch futures off the I/O thread, so user ``then`` callbacks never stall the links."""
+
+
+class WanlinkWork(Work):
+    """Finishes when its collective's coroutine does; ``get_future()`` yields the output tensors."""
+
+    def __init__(self, op: str, outputs: list, submitted: concurrent.futures.Future):
+        super().__init__()
+        self.op = op
+        self._outputs = outputs
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        submitted.add_done_callback(self._on_done)
+
+    def _on_done(self, submitted: concurrent.futures.Future) -> None:
+        _completions.submit(self._complete, submitted)
+
+    def _complete(self, submitted: concurrent.futures.Future) -> None:
+        try:
+            submitted.result()
+        except BaseException as error:  # noqa: BLE001 - delivered to the waiter
+            if isinstance(error, concurrent.futures.CancelledError):
+                error = RuntimeError(f"wanlink {self.op} was cancelled")
+            self._error = error
+            self._finished.set()
+            self._future.set_exception(error)
+            return
+        self._finished.set()
+        self._future.set_result(self._outputs)
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until done; re-raise the collective's error; DeadlineExceeded after ``timeout``."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if not self._finished.wait(seconds if seconds and seconds > 0 else None):
+            raise DeadlineExceeded(f"wanlink {self.op}: Work.wait timed out after {seconds} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._finished.is_set()
+
+    def is_success(self) -> bool:
+        return self._finished.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()

@@ -1,0 +1,78 @@
+"""The interface collective algorithms run on, and helpers to cut buffers into pipelined pieces."""
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable, Protocol, Sequence
+
+import torch
+
+Reducer = Callable[[torch.Tensor, torch.Tensor], None]
+"""``reducer(accumulator, incoming)`` folds ``incoming`` into ``accumulator`` in place."""
+
+MAX_PIECES = 4096
+"""Upper bound on pieces per collective; piece tags of a phase lie in [k*MAX_PIECES, (k+1)*MAX_PIECES)
+(the tag layout reserves 16 bits, 0xFFFF excluded)."""
+
+
+class Comm(Protocol):
+    """Point-to-point messaging between the ``size`` members of one group, for one collective.
+
+    Messages between two members are matched by ``piece``: the k-th ``send(peer, _, piece)`` is
+    received by the k-th ``recv(_, _, piece)`` posted for that sender. Tensors are flat, contiguous
+    CPU tensors; empty tensors carry no message (both sides skip them, as their sizes agree).
+    """
+
+    rank: int
+    size: int
+    piece_bytes: int
+
+    async def send(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> None: ...
+
+    async def recv(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> None: ...
+
+    async def compute(self, fn: Callable[..., None], *args) -> None:
+        """Run a (possibly heavy) tensor kernel without stalling message progress."""
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A scratch tensor valid until the collective ends (implementations may reuse memory)."""
+
+
+def piece_bounds(numel: int, pieces: int) -> list[tuple[int, int]]:
+    """Split ``range(numel)`` into ``pieces`` contiguous, nearly equal (start, stop) ranges."""
+    base, extra = divmod(numel, pieces)
+    bounds, start = [], 0
+    for index in range(pieces):
+        stop = start + base + (1 if index < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def piece_count(largest_numel: int, itemsize: int, piece_bytes: int) -> int:
+    """How many pieces to cut a buffer of ``largest_numel`` elements into for pipelining."""
+    nbytes = largest_numel * itemsize
+    return max(1, min(MAX_PIECES - 1, -(-nbytes // max(1, piece_bytes)), largest_numel))
+
+
+def split(tensor: torch.Tensor, pieces: int) -> list[torch.Tensor]:
+    """Views of ``tensor`` (1-D) as ``pieces`` contiguous pieces (some may be empty)."""
+    return [tensor[start:stop] for start, stop in piece_bounds(tensor.numel(), pieces)]
+
+
+def split_even(tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Views of a 1-D tensor as ``parts`` nearly equal segments (the ring's per-rank segments)."""
+    return split(tensor, parts)
+
+
+async def gather_all(awaitables: Sequence[Awaitable]) -> None:
+    """Await all; on the first failure cancel the rest and re-raise it (no orphaned tasks)."""
+    tasks = [asyncio.ensure_future(item) for item in awaitables]
+    if not tasks:
+        return
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

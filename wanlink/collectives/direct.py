@@ -1,0 +1,126 @@
+"""Direct exchange: every member talks to the members it needs in a single round.
+
+One round trip instead of the ring's 2(n-1) steps, at the price of sending whole buffers: the
+right choice for small tensors on long links, and for rooted operations (gather, scatter) and
+all-to-all, whose data has exactly one source and one destination. Reductions fold contributions
+in rank order, so every member computes bit-identical results.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from wanlink.collectives.base import Comm, Reducer, gather_all
+
+
+async def _fold_in_rank_order(comm: Comm, reducer: Reducer, contributions: Sequence[torch.Tensor],
+                              out: torch.Tensor) -> None:
+    """``out = contributions[0] op contributions[1] op ...`` (``out`` may alias contributions[0])."""
+    if out.data_ptr() != contributions[0].data_ptr() or out.numel() == 0:
+        out.copy_(contributions[0])
+    for contribution in contributions[1:]:
+        await comm.compute(reducer, out, contribution)
+
+
+async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
+    """In place: every member ends with the reduction of all members' ``tensor``."""
+    n, me = comm.size, comm.rank
+    peers = [peer for peer in range(n) if peer != me]
+    incoming = {peer: torch.empty_like(tensor) for peer in peers}
+    await gather_all([comm.send(peer, tensor) for peer in peers]
+                     + [comm.recv(peer, incoming[peer]) for peer in peers])
+    contributions = [tensor if k == me else incoming[k] for k in range(n)]
+    if me == 0:
+        await _fold_in_rank_order(comm, reducer, contributions, tensor)
+    else:
+        accumulator = incoming[0]
+        await _fold_in_rank_order(comm, reducer, contributions, accumulator)
+        tensor.copy_(accumulator)
+
+
+async def reduce_scatter(comm: Comm, blocks: Sequence[torch.Tensor], output: torch.Tensor,
+                         reducer: Reducer) -> None:
+    """``output`` on member r = reduction over members of their ``blocks[r]``."""
+    n, me = comm.size, comm.rank
+    peers = [peer for peer in range(n) if peer != me]
+    incoming = {peer: torch.empty_like(output) for peer in peers}
+    await gather_all([comm.send(peer, blocks[peer]) for peer in peers]
+                     + [comm.recv(peer, incoming[peer]) for peer in peers])
+    contributions = [blocks[me] if k == me else incoming[k] for k in range(n)]
+    await _fold_in_rank_order(comm, reducer, contributions, output)
+
+
+async def reduce(comm: Comm, tensor: torch.Tensor, root: int, reducer: Reducer) -> None:
+    """``tensor`` on ``root`` becomes the reduction of all members' tensors; others only send."""
+    n, me = comm.size, comm.rank
+    if me != root:
+        await comm.send(root, tensor)
+        return
+    peers = [peer for peer in range(n) if peer != me]
+    incoming = {peer: torch.empty_like(tensor) for peer in peers}
+    await gather_all([comm.recv(peer, incoming[peer]) for peer in peers])
+    contributions = [tensor if k == me else incoming[k] for k in range(n)]
+    if me == 0:
+        await _fold_in_rank_order(comm, reducer, contributions, tensor)
+    else:
+        accumulator = incoming[0]
+        await _fold_in_rank_order(comm, reducer, contributions, accumulator)
+        tensor.copy_(accumulator)
+
+
+async def broadcast(comm: Comm, tensor: torch.Tensor, root: int) -> None:
+    """``root`` sends ``tensor`` to every member at once."""
+    if comm.rank == root:
+        await gather_all([comm.send(peer, tensor) for peer in range(comm.size) if peer != root])
+    else:
+        await comm.recv(root, tensor)
+
+
+async def all_gather(comm: Comm, tensor: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """``outputs[k]`` on every member = member k's ``tensor`` (sizes may differ per member)."""
+    me = comm.rank
+    peers = [peer for peer in range(comm.size) if peer != me]
+    if outputs[me].data_ptr() != tensor.data_ptr():
+        outputs[me].copy_(tensor)
+    await gather_all([comm.send(peer, tensor) for peer in peers]
+                     + [comm.recv(peer, outputs[peer]) for peer in peers])
+
+
+async def gather(comm: Comm, tensor: torch.Tensor, root: int, outputs: Sequence[torch.Tensor] | None) -> None:
+    """``outputs[k]`` on ``root`` = member k's ``tensor``; other members only send."""
+    me = comm.rank
+    if me != root:
+        await comm.send(root, tensor)
+        return
+    outputs[me].copy_(tensor)
+    await gather_all([comm.recv(peer, outputs[peer]) for peer in range(comm.size) if peer != me])
+
+
+async def scatter(comm: Comm, inputs: Sequence[torch.Tensor] | None, root: int, output: torch.Tensor) -> None:
+    """Member k's ``output`` = ``inputs[k]`` on ``root``."""
+    me = comm.rank
+    if me != root:
+        await comm.recv(root, output)
+        return
+    output.copy_(inputs[me])
+    await gather_all([comm.send(peer, inputs[peer]) for peer in range(comm.size) if peer != me])
+
+
+async def all_to_all(comm: Comm, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    """``outputs[j]`` on member k = ``inputs[k]`` on member j; all pairs exchange at once."""
+    me = comm.rank
+    peers = [peer for peer in range(comm.size) if peer != me]
+    outputs[me].copy_(inputs[me])
+    await gather_all([comm.send(peer, inputs[peer]) for peer in peers]
+                     + [comm.recv(peer, outputs[peer]) for peer in peers])
+
+
+async def barrier(comm: Comm) -> None:
+    """Returns once every member has entered: a one-byte token from every member (one round trip)."""
+    me = comm.rank
+    peers = [peer for peer in range(comm.size) if peer != me]
+    token = torch.ones(1, dtype=torch.uint8)
+    incoming = {peer: torch.empty(1, dtype=torch.uint8) for peer in peers}
+    await gather_all([comm.send(peer, token) for peer in peers]
+                     + [comm.recv(peer, incoming[peer]) for peer in peers])
