@@ -28,20 +28,6 @@ VARIANTS = {
 }
 
 
-def load_digits_split(seed: int = 0):
-    """Digits (1797 8x8 images shipped with scikit-learn): standardised, 80/20 train/test split."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.int64)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    cut = int(0.8 * len(y))
-    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
-
-
 def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -52,6 +38,7 @@ def train_rank(rank: int, world: int, init_file: str, variant: dict, epochs: int
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import wanlink  # noqa: F401 - registers the backend
+    from wanlink.cli.demo import load_split
     from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
 
     torch.set_num_threads(1)
@@ -66,7 +53,9 @@ def train_rank(rank: int, world: int, init_file: str, variant: dict, epochs: int
                                      staleness=variant["staleness"])
             ddp.register_comm_hook(state, block_sparse_hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        (train_x, train_y), (test_x, test_y) = load_digits_split()
+        train_x, train_y, test_x, test_y = load_split()
+        mean, std = train_x.mean(0), train_x.std(0) + 1e-6  # standardised: steadier for momentum SGD
+        train_x, test_x = (train_x - mean) / std, (test_x - mean) / std
         shard_x, shard_y = train_x[rank::world], train_y[rank::world]
         batch = 32
         curve = []

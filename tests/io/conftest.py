@@ -1,8 +1,10 @@
 import asyncio
+import contextlib
 
 import pytest_asyncio
 
 import wanlink
+from tests.support.faultproxy import FaultProxy
 
 SECRET = b"test-secret"
 
@@ -34,3 +36,22 @@ async def pair():
     p = await open_pair()
     yield p
     await p.close()
+
+
+@contextlib.asynccontextmanager
+async def proxied_pair(streams: int, *, timeout: float = 10.0):
+    """(proxy, client, accepted): a link whose every stream runs through a FaultProxy."""
+    links: asyncio.Queue = asyncio.Queue()
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, timeout=timeout)
+    proxy = await FaultProxy(server.port).start()
+    opened = []
+    try:
+        opened.append(await wanlink.connect("127.0.0.1", proxy.port, streams=streams, secret=SECRET, timeout=timeout))
+        opened.append(await asyncio.wait_for(links.get(), 5))
+        yield proxy, opened[0], opened[1]
+    finally:
+        for link in opened:
+            await link.close()
+        await proxy.close()
+        server.close()
+        await server.wait_closed()

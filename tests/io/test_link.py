@@ -13,8 +13,7 @@ from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, Mess
 from wanlink.io.link import PROBE_DISCARD_TAG
 from wanlink.proto.frames import data_header
 from wanlink.proto.limits import Limits
-from tests.io.conftest import SECRET, open_pair
-from tests.support.faultproxy import FaultProxy
+from tests.io.conftest import SECRET, open_pair, proxied_pair
 
 pytestmark = pytest.mark.asyncio
 MiB = 1024 * 1024
@@ -102,35 +101,17 @@ async def test_wrong_secret_is_rejected_and_server_keeps_serving():
 
 
 async def test_stream_cut_mid_transfer_still_delivers_identical_bytes():
-    links = asyncio.Queue()
-    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
-    proxy = await FaultProxy(server.port).start()
-    proxy.cut_after(1, 8 * MiB)  # stream 1 dies after carrying 8 MiB
-    try:
-        client = await wanlink.connect("127.0.0.1", proxy.port, streams=4, secret=SECRET, timeout=10)
-        accepted = await asyncio.wait_for(links.get(), 5)
+    async with proxied_pair(4) as (proxy, client, accepted):
+        proxy.cut_after(1, 8 * MiB)  # stream 1 dies after carrying 8 MiB
         data = pattern(64 * MiB, 3)
         out = bytearray(len(data))
         await asyncio.wait_for(asyncio.gather(client.send(data, tag=2), accepted.recv_into(out, tag=2)), 60)
         assert out == data
-        assert client.streams_alive == 3
-        assert client.stats()["requeued_chunks"] + accepted.stats()["duplicate_chunks"] >= 0
-        assert client.stats()["streams_alive"] == 3
-        await client.close()
-        await accepted.close()
-    finally:
-        await proxy.close()
-        server.close()
-        await server.wait_closed()
+        assert client.streams_alive == 3 and client.stats()["streams_alive"] == 3
 
 
 async def test_cut_streams_requeue_unacked_chunks():
-    links = asyncio.Queue()
-    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
-    proxy = await FaultProxy(server.port).start()
-    try:
-        client = await wanlink.connect("127.0.0.1", proxy.port, streams=2, secret=SECRET, timeout=10)
-        accepted = await asyncio.wait_for(links.get(), 5)
+    async with proxied_pair(2) as (proxy, client, accepted):
         proxy.stall()  # chunks go out but no ack comes back
         data = pattern(8 * MiB, 4)
         out = bytearray(len(data))
@@ -140,21 +121,10 @@ async def test_cut_streams_requeue_unacked_chunks():
         proxy.resume()
         await asyncio.wait_for(transfer, 30)
         assert out == data and client.stats()["requeued_chunks"] > 0 and client.streams_alive == 1
-        await client.close()
-        await accepted.close()
-    finally:
-        await proxy.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_all_streams_cut_fails_pending_operations_with_details():
-    links = asyncio.Queue()
-    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
-    proxy = await FaultProxy(server.port).start()
-    try:
-        client = await wanlink.connect("127.0.0.1", proxy.port, streams=2, secret=SECRET, timeout=10)
-        accepted = await asyncio.wait_for(links.get(), 5)
+    async with proxied_pair(2) as (proxy, client, accepted):
         pending_recv = asyncio.ensure_future(client.recv_into(bytearray(100), tag=42))
         await asyncio.sleep(0.05)
         proxy.cut(0)
@@ -163,30 +133,13 @@ async def test_all_streams_cut_fails_pending_operations_with_details():
             await asyncio.wait_for(pending_recv, 10)
         with pytest.raises(PeerLost):
             await client.send(b"x", tag=1)
-        await client.close()
-        await accepted.close()
-    finally:
-        await proxy.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_silent_peer_times_out_instead_of_hanging():
-    links = asyncio.Queue()
-    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, timeout=1.0)
-    proxy = await FaultProxy(server.port).start()
-    try:
-        client = await wanlink.connect("127.0.0.1", proxy.port, streams=2, secret=SECRET, timeout=1.0)
-        accepted = await asyncio.wait_for(links.get(), 5)
+    async with proxied_pair(2, timeout=1.0) as (proxy, client, accepted):
         proxy.stall()
         with pytest.raises(PeerLost, match="silent"):
             await asyncio.wait_for(client.send(pattern(4 * MiB), tag=1), 10)
-        await client.close()
-        await accepted.close()
-    finally:
-        await proxy.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_killed_peer_process_gives_an_error_not_a_hang():
