@@ -30,7 +30,13 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
     incoming = {peer: torch.empty_like(tensor) for peer in peers}
     await gather_all([comm.send(peer, tensor) for peer in peers]
                      + [comm.recv(peer, incoming[peer]) for peer in peers])
-    contributions = [tensor if k == me else incoming[k] for k in range(n)]
+    await _reduce_in_place(comm, reducer, tensor, incoming)
+
+
+async def _reduce_in_place(comm: Comm, reducer: Reducer, tensor: torch.Tensor, incoming: dict) -> None:
+    """``tensor`` = reduction, in rank order, of this member's ``tensor`` and the peers' ``incoming``."""
+    me = comm.rank
+    contributions = [tensor if k == me else incoming[k] for k in range(comm.size)]
     if me == 0:
         await _fold_in_rank_order(comm, reducer, contributions, tensor)
     else:
@@ -60,13 +66,7 @@ async def reduce(comm: Comm, tensor: torch.Tensor, root: int, reducer: Reducer) 
     peers = [peer for peer in range(n) if peer != me]
     incoming = {peer: torch.empty_like(tensor) for peer in peers}
     await gather_all([comm.recv(peer, incoming[peer]) for peer in peers])
-    contributions = [tensor if k == me else incoming[k] for k in range(n)]
-    if me == 0:
-        await _fold_in_rank_order(comm, reducer, contributions, tensor)
-    else:
-        accumulator = incoming[0]
-        await _fold_in_rank_order(comm, reducer, contributions, accumulator)
-        tensor.copy_(accumulator)
+    await _reduce_in_place(comm, reducer, tensor, incoming)
 
 
 async def broadcast(comm: Comm, tensor: torch.Tensor, root: int) -> None:
