@@ -28,6 +28,7 @@ from wanlink.c10d.work import WanlinkWork
 from wanlink.collectives import direct, ring
 from wanlink.collectives.base import Comm, gather_all, split
 from wanlink.collectives.reduce_ops import finish_average, reducer_for
+from wanlink.envvars import env_int
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -40,19 +41,6 @@ _REDUCE_NAMES = {
     dist.ReduceOp.RedOpType.MAX: "max", dist.ReduceOp.RedOpType.BAND: "band",
     dist.ReduceOp.RedOpType.BOR: "bor", dist.ReduceOp.RedOpType.BXOR: "bxor",
 }
-
-
-def _env_bytes(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        parsed = int(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer number of bytes, got {value!r}") from None
-    if parsed < 0:
-        raise ConfigError(f"{name} must be >= 0, got {parsed}")
-    return parsed
 
 
 DIRECT_MAX_BYTES = 256 * 1024
@@ -190,8 +178,8 @@ class ProcessGroupWanlink(ProcessGroup):
         self.group_rank, self.group_size = group_rank, len(mesh_ranks)
         self.label, self.default_timeout = group_name, timeout
         self.slot = mesh.claim_slot(group_name)
-        self.direct_max_bytes = _env_bytes("WANLINK_DIRECT_MAX_BYTES", DIRECT_MAX_BYTES)
-        self.piece_bytes = max(1, _env_bytes("WANLINK_PIECE_BYTES", PIECE_BYTES))
+        self.direct_max_bytes = env_int("WANLINK_DIRECT_MAX_BYTES", DIRECT_MAX_BYTES)
+        self.piece_bytes = max(1, env_int("WANLINK_PIECE_BYTES", PIECE_BYTES))
         self.detail = dist.get_debug_level() == dist.DebugLevel.DETAIL or \
             os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         self._sequence = itertools.count()

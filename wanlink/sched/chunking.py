@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
+from wanlink.envvars import env_int
 from wanlink.errors import ConfigError, ProtocolError
 
 MIN_CHUNK_SIZE = 256 * 1024
@@ -17,13 +17,7 @@ DEFAULT_CHUNK_SIZE = 1024 * 1024
 def chunk_size_from(value: int | None) -> int:
     """Validate a chunk size, defaulting to WANLINK_CHUNK_SIZE or DEFAULT_CHUNK_SIZE."""
     if value is None:
-        env = os.environ.get("WANLINK_CHUNK_SIZE")
-        if env is None:
-            return DEFAULT_CHUNK_SIZE
-        try:
-            value = int(env)
-        except ValueError:
-            raise ConfigError(f"WANLINK_CHUNK_SIZE must be an integer, got {env!r}") from None
+        value = env_int("WANLINK_CHUNK_SIZE", DEFAULT_CHUNK_SIZE)
     if not MIN_CHUNK_SIZE <= value <= MAX_CHUNK_SIZE:
         raise ConfigError(f"chunk size {value} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
     return value
