@@ -376,3 +376,13 @@ async def test_peer_close_does_not_fail_sends_whose_acks_are_still_arriving():
         await asyncio.wait_for(sent, 10)  # every ack arrives before the CLOSE behind it on each stream
     finally:
         await p.close()
+
+
+async def test_idle_link_outlives_its_silence_timeout():
+    p = await open_pair(2, timeout=0.5, server_options={"timeout": 0.5})
+    try:
+        await asyncio.sleep(1.6)  # idle for three timeouts: pings keep both sides alive
+        await asyncio.gather(p.client.send(b"still here", tag=1), p.accepted.recv_into(out := bytearray(10), tag=1))
+        assert out == b"still here" and p.client.streams_alive == 2 and p.accepted.error is None
+    finally:
+        await p.close()
