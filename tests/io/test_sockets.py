@@ -41,3 +41,20 @@ def test_socket_buffer_option():
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 1 << 20
     with fresh() as sock, pytest.raises(ConfigError):
         configure_stream_socket(sock, buffer_bytes=0)
+
+
+@pytest.mark.asyncio
+async def test_kernel_bytes_acked_counts_what_the_peer_kernel_received():
+    import asyncio
+
+    from tests.io.conftest import open_pair
+
+    pair = await open_pair(2)
+    try:
+        before = pair.client.kernel_bytes_acked()
+        out = bytearray(3_000_000)
+        await asyncio.gather(pair.client.send(bytes(3_000_000), tag=1), pair.accepted.recv_into(out, tag=1))
+        after = pair.client.kernel_bytes_acked()
+        assert before is not None and after - before >= 3_000_000  # payload plus frame headers
+    finally:
+        await pair.close()

@@ -9,7 +9,7 @@ import socket
 from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, ProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, configure_stream_socket, congestion_of, is_loopback, log, recv_exactly,
+    close_quietly, configure_stream_socket, congestion_of, is_loopback, log, recv_exactly, tcp_bytes_acked,
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import pack_message, unpack_message
@@ -372,6 +372,21 @@ class Link:
         first, last = self._rate_samples[0], self._rate_samples[-1]
         elapsed = last[0] - first[0]
         return 8 * (last[column] - first[column]) / elapsed if elapsed > 0 else 0.0
+
+    def kernel_bytes_acked(self) -> int | None:
+        """Bytes the peer's kernel acknowledged over all live streams (TCP_INFO); None where unknown.
+
+        Unlike wanlink's own acks this does not lag when the peer's application is slow to read,
+        so probes measure the path, not the peer's event loop.
+        """
+        total = 0
+        for stream in self._streams:
+            if stream.alive:
+                acked = tcp_bytes_acked(stream.sock)
+                if acked is None:
+                    return None
+                total += acked
+        return total
 
     def stats(self) -> dict:
         """Counters for this link (safe to read from any thread)."""

@@ -5,6 +5,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
+import struct
 
 from wanlink.errors import ConfigError, PeerLost
 
@@ -65,6 +66,24 @@ def _set_congestion(sock: socket.socket, congestion: str | None) -> None:
     except OSError as exc:
         raise ConfigError(f"congestion control {name!r} unavailable "
                           f"(kernel offers {available_congestion_controls()}): {exc}") from None
+
+
+_TCP_INFO_BYTES_ACKED = struct.Struct("=Q")
+_TCP_INFO_BYTES_ACKED_OFFSET = 120  # struct tcp_info: tcpi_bytes_acked (Linux 4.6 and later)
+
+
+def tcp_bytes_acked(sock: socket.socket) -> int | None:
+    """Payload bytes the peer's kernel has acknowledged on this TCP socket; None where unknown."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    end = _TCP_INFO_BYTES_ACKED_OFFSET + _TCP_INFO_BYTES_ACKED.size
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, end)
+    except OSError:
+        return None
+    if len(raw) < end:
+        return None
+    return _TCP_INFO_BYTES_ACKED.unpack_from(raw, _TCP_INFO_BYTES_ACKED_OFFSET)[0]
 
 
 def congestion_of(sock: socket.socket) -> str:

@@ -45,8 +45,9 @@ async def measure_rate(link, timing: StepTiming, *, inflight_bytes: int) -> floa
     """Acknowledged bytes/s on ``link`` over ``timing.measure_s``, after ``timing.warmup_s``.
 
     Sends one-chunk messages, keeping about ``inflight_bytes`` (and at least two per stream)
-    unacknowledged; counts the bytes whose acknowledgement lands inside the fixed measurement
-    window, so bunched completions cannot inflate the rate.
+    unacknowledged. The rate is the bytes TCP saw acknowledged during the measurement window
+    (TCP_INFO), which a slow peer application cannot bunch; without TCP_INFO, the wanlink
+    acknowledgements that land inside the window.
     """
     message = bytes(link.chunk_size)
     depth = max(2 * link.streams, -(-inflight_bytes // len(message)))
@@ -58,21 +59,25 @@ async def measure_rate(link, timing: StepTiming, *, inflight_bytes: int) -> floa
             await link.send(message, tag=PROBE_DISCARD_TAG)
             completions.append(loop.time())
 
-    start = loop.time()
     tasks = [loop.create_task(sender()) for _ in range(depth)]
     try:
-        done, _ = await asyncio.wait(tasks, timeout=timing.warmup_s + timing.measure_s,
-                                     return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            task.result()  # a failed send (PeerLost) ends the probe with that error
+        for measuring, phase in ((False, timing.warmup_s), (True, timing.measure_s)):
+            if measuring:
+                begin, kernel_begin = loop.time(), link.kernel_bytes_acked()
+            done, _ = await asyncio.wait(tasks, timeout=phase, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # a failed send (PeerLost) ends the probe with that error
+        end, kernel_end = loop.time(), link.kernel_bytes_acked()
     finally:
-        end = loop.time()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    begin = start + timing.warmup_s
+    elapsed = max(end - begin, 1e-9)
+    if kernel_begin is not None and kernel_end is not None:
+        # TCP's own acks: a peer whose event loop falls behind cannot bunch them into the window
+        return (kernel_end - kernel_begin) / elapsed
     acked = sum(1 for t in completions if begin <= t <= end)
-    return acked * len(message) / max(end - begin, 1e-9)
+    return acked * len(message) / elapsed
 
 
 async def choose_streams(host: str, port: int, *, secret: bytes | str | None = None, meta: dict | None = None,
