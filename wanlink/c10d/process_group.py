@@ -246,6 +246,20 @@ class ProcessGroupWanlink(ProcessGroup):
     def _is_small(self, nbytes: int) -> bool:
         return nbytes <= self.direct_max_bytes
 
+    def _root_tensor_list(self, op: str, tensor_lists, tensor: torch.Tensor, root: int, kind: str):
+        """The root's checked list of one tensor per member (gather outputs, scatter inputs); None elsewhere."""
+        if self.group_rank != root:
+            _check_tensors(op, [tensor])
+            if tensor_lists and any(tensor_lists):
+                raise ConfigError(f"wanlink {op}: only the root (rank {root}) passes {kind} tensors")
+            return None
+        tensors = _single(op, tensor_lists)
+        if len(tensors) != self.group_size:
+            raise ConfigError(f"wanlink {op}: root needs {self.group_size} {kind} tensors, got {len(tensors)}")
+        _check_tensors(op, [tensor, *tensors])
+        _same_numel(op, tensors, tensor.numel(), f"{kind} tensor")
+        return tensors
+
     def _check_root(self, op: str, root: int) -> None:
         if not 0 <= root < self.group_size:
             raise ConfigError(f"wanlink {op}: root {root} is not a rank of a group of {self.group_size}")
@@ -421,18 +435,8 @@ class ProcessGroupWanlink(ProcessGroup):
         self._check_root(op, root)
         staging = Staging()
         source = staging.read(tensor)
-        targets = None
-        if self.group_rank == root:
-            outputs = _single(op, output_tensors)
-            if len(outputs) != self.group_size:
-                raise ConfigError(f"wanlink {op}: root needs {self.group_size} output tensors, got {len(outputs)}")
-            _check_tensors(op, [tensor, *outputs])
-            _same_numel(op, outputs, tensor.numel(), "output tensor")
-            targets = [staging.write(output) for output in outputs]
-        else:
-            _check_tensors(op, [tensor])
-            if output_tensors and any(output_tensors):
-                raise ConfigError(f"wanlink {op}: only the root (rank {root}) passes output tensors")
+        outputs = self._root_tensor_list(op, output_tensors, tensor, root, "output")
+        targets = None if outputs is None else [staging.write(output) for output in outputs]
 
         async def body(comm: Comm) -> None:
             await direct.gather(comm, source, root, targets)
@@ -445,18 +449,8 @@ class ProcessGroupWanlink(ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         self._check_root(op, root)
         staging = Staging()
-        sources = None
-        if self.group_rank == root:
-            inputs = _single(op, input_tensors)
-            if len(inputs) != self.group_size:
-                raise ConfigError(f"wanlink {op}: root needs {self.group_size} input tensors, got {len(inputs)}")
-            _check_tensors(op, [tensor, *inputs])
-            _same_numel(op, inputs, tensor.numel(), "input tensor")
-            sources = [staging.read(item) for item in inputs]
-        else:
-            _check_tensors(op, [tensor])
-            if input_tensors and any(input_tensors):
-                raise ConfigError(f"wanlink {op}: only the root (rank {root}) passes input tensors")
+        inputs = self._root_tensor_list(op, input_tensors, tensor, root, "input")
+        sources = None if inputs is None else [staging.read(item) for item in inputs]
         target = staging.write(tensor)
 
         async def body(comm: Comm) -> None:
