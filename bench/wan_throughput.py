@@ -16,9 +16,10 @@ run with ``-w SIZE`` for both wanlink and iperf3, and the gain from the buffer s
 same buffer policy).
 
     sudo python3 bench/wan_throughput.py [--seconds 8] [--rate-mbit 2000] [--window 4M] [--only 40ms]
+        [--cases "wanlink auto" "iperf3 -P 8"] [--buffers window] [--out wan_throughput_40ms]
 
-Writes bench/results/wan_throughput.{json,png} and prints a table. Needs root, /dev/net/tun,
-iperf3 and torch (CPU) with gloo.
+Writes bench/results/<out>.{json,png} (default wan_throughput) and prints a table. Needs root,
+/dev/net/tun, iperf3 and torch (CPU) with gloo.
 """
 from __future__ import annotations
 
@@ -166,27 +167,40 @@ def gloo_worker(rank: int, master: str, size_mib: int) -> None:
     dist.destroy_process_group()
 
 
-def measure(seconds: float, rate_mbit: float, window: str | None, gloo_mib: int, only: list[str]) -> list[dict]:
+def plan_cases(window: str | None, gloo_mib: int, *, cases: list[str] = (), buffers: str = "all") -> list[tuple]:
+    """(name, buffer policy or None, runner, stream count) per case of one path, filtered.
+
+    ``cases`` keeps the cases whose name starts with one of its strings (all when empty);
+    ``buffers`` is "all", "autotune" (kernel buffers only) or "window" (only the ``-w`` runs).
+    """
+    if buffers not in ("all", "autotune", "window"):
+        raise ValueError(f"buffers must be all, autotune or window, got {buffers!r}")
+    if buffers == "window" and not window:
+        raise ValueError("--buffers window needs --window")
+    policies = {"all": [None] + ([window] if window else []), "autotune": [None], "window": [window]}[buffers]
+    planned = [(name, policy, runner, n) for policy in policies
+               for runner, named in ((run_iperf3, IPERF_CASES), (run_wanlink, WANLINK_CASES)) for name, n in named]
+    if buffers != "window":
+        planned.append((f"gloo broadcast {gloo_mib} MiB", None, run_gloo, None))
+    return [case for case in planned if not cases or any(case[0].startswith(prefix) for prefix in cases)]
+
+
+def measure(seconds: float, rate_mbit: float, window: str | None, gloo_mib: int, only: list[str],
+            cases: list[str] = (), buffers: str = "all") -> list[dict]:
     from bench.wanem.netns import WanPath
 
     rows = []
-    policies = [None] + ([window] if window else [])
+    planned = plan_cases(window, gloo_mib, cases=cases, buffers=buffers)
     for label, rtt, loss in PATHS:
         if only and label not in only:
             continue
         with WanPath(rtt_ms=rtt, rate_mbit=rate_mbit, loss=loss) as path:
-            cases = []
-            for policy in policies:
-                for name, n in IPERF_CASES:
-                    cases.append((name, policy, lambda n=n, p=policy: run_iperf3(path, n, seconds, p)))
-                for name, n in WANLINK_CASES:
-                    cases.append((name, policy, lambda n=n, p=policy: run_wanlink(path, n, seconds, p)))
-            cases.append((f"gloo broadcast {gloo_mib} MiB", None, lambda: run_gloo(path, gloo_mib, 600)))
-            for name, policy, fn in cases:
+            for name, policy, runner, n in planned:
                 row = {"path": label, "rtt_ms": rtt, "loss": loss, "rate_mbit": rate_mbit, "case": name,
                        "buffers": policy or "autotune"}
                 try:
-                    row.update(fn())
+                    row.update(run_gloo(path, gloo_mib, 600) if runner is run_gloo
+                               else runner(path, n, seconds, policy))
                 except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
                     row["error"] = str(exc)[:300]
                 print(f"  {label:>10} {name:<22} {row['buffers']:>8}: "
@@ -208,8 +222,10 @@ def ratios(rows: list[dict]) -> list[dict]:
         for policy in sorted({r["buffers"] for r in rows if r["path"] == label}):
             base = by.get((label, "iperf3 -P 1", policy))
             auto = by.get((label, "wanlink auto", policy))
-            if base and auto:
-                entry = {"path": label, "buffers": policy, "striping_gain": auto / base}
+            if auto:
+                entry = {"path": label, "buffers": policy}
+                if base:
+                    entry["striping_gain"] = auto / base
                 p8 = by.get((label, "iperf3 -P 8", policy))
                 if p8:
                     entry["vs_iperf3_P8"] = auto / p8
@@ -219,13 +235,13 @@ def ratios(rows: list[dict]) -> list[dict]:
                     entry["vs_gloo"] = auto / gloo
                 if policy != "autotune":
                     default = by.get((label, "iperf3 -P 1", "autotune"))
-                    if default:
+                    if default and base:
                         entry["buffer_gain_iperf3_P1"] = base / default
                 out.append(entry)
     return out
 
 
-def plot(rows: list[dict]) -> Path:
+def plot(rows: list[dict], out: str = "wan_throughput") -> Path:
     from bench.reporting import new_figure, save_figure
 
     labels = [p for p, _r, _l in PATHS if any(r["path"] == p for r in rows)]
@@ -243,7 +259,7 @@ def plot(rows: list[dict]) -> Path:
     ax.set_ylabel("Gbit/s (receiver)")
     ax.set_title("Throughput over emulated WAN paths (bench/wan_throughput.py)")
     ax.legend(fontsize=7, ncol=2)
-    return save_figure(fig, "wan_throughput")
+    return save_figure(fig, out)
 
 
 def main(argv=None) -> int:
@@ -253,6 +269,11 @@ def main(argv=None) -> int:
     p.add_argument("--window", default=None, help="also run every case with this -w (e.g. 4M)")
     p.add_argument("--gloo-mib", type=int, default=256)
     p.add_argument("--only", nargs="*", default=[], help="path labels to run (default all)")
+    p.add_argument("--cases", nargs="*", default=[],
+                   help="run only cases whose name starts with one of these (e.g. 'wanlink auto' 'iperf3 -P 8')")
+    p.add_argument("--buffers", choices=("all", "autotune", "window"), default="all",
+                   help="buffer policies to run: both, kernel autotuning only, or only --window")
+    p.add_argument("--out", default="wan_throughput", help="result name under bench/results/ (JSON and PNG)")
     p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON")
     p.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -265,7 +286,7 @@ def main(argv=None) -> int:
     from bench.reporting import RESULTS, machine_info, print_table, save_json
 
     if a.plot_only:
-        print(plot(json.loads((RESULTS / "wan_throughput.json").read_text())["rows"]))
+        print(plot(json.loads((RESULTS / f"{a.out}.json").read_text())["rows"], a.out))
         return 0
     from bench.wanem.netns import WanemError, check_environment
 
@@ -279,7 +300,11 @@ def main(argv=None) -> int:
         return 1
     load_before = machine_info()["loadavg_1_5_15"]
     t0 = time.monotonic()
-    rows = measure(a.seconds, a.rate_mbit, a.window, a.gloo_mib, a.only)
+    try:
+        plan_cases(a.window, a.gloo_mib, buffers=a.buffers)
+    except ValueError as exc:
+        p.error(str(exc))
+    rows = measure(a.seconds, a.rate_mbit, a.window, a.gloo_mib, a.only, a.cases, a.buffers)
     print()
     shown = [{k: ("" if v is None else v) for k, v in r.items()} for r in rows]
     print_table(shown, [("path", "path", ""), ("case", "case", ""), ("buffers", "buffers", ""),
@@ -289,11 +314,11 @@ def main(argv=None) -> int:
     print_table([{k: ("" if v is None else v) for k, v in g.items()} for g in gains], [("path", "path", ""), ("buffers", "buffers", ""), ("striping_gain", "wl/ip3-P1", ".2f"),
                         ("vs_iperf3_P8", "wl/ip3-P8", ".2f"), ("vs_gloo", "wl/gloo", ".2f"),
                         ("buffer_gain_iperf3_P1", "buf gain", ".2f")])
-    path = save_json("wan_throughput", {
+    path = save_json(a.out, {
         "command": " ".join([sys.executable, *sys.argv]), "seconds": a.seconds, "rate_mbit": a.rate_mbit,
         "window": a.window, "loadavg_before": load_before, "wall_s": time.monotonic() - t0,
         "rows": rows, "gains": gains})
-    png = plot(rows)
+    png = plot(rows, a.out)
     print(f"\nwrote {path} and {png}")
     return 0
 

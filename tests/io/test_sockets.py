@@ -26,6 +26,18 @@ def test_remote_peer_gets_bbr_by_default():
         assert congestion_of(sock) == "bbr"
 
 
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="no TCP_NOTSENT_LOWAT")
+def test_remote_peer_limits_unsent_bytes_loopback_does_not():
+    from wanlink.io.sockets import NOTSENT_LOWAT_BYTES
+
+    with fresh() as remote, fresh() as local:
+        configure_stream_socket(remote, peer_host="198.18.0.2")
+        configure_stream_socket(local, peer_host="127.0.0.1")
+        lowat = socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT
+        assert remote.getsockopt(*lowat) == NOTSENT_LOWAT_BYTES
+        assert local.getsockopt(*lowat) != NOTSENT_LOWAT_BYTES
+
+
 def test_explicit_choice_and_unknown_algorithm():
     choice = available_congestion_controls()[0]
     with fresh() as sock:

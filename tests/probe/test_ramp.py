@@ -149,3 +149,16 @@ def test_probe_result_json():
     assert doc["streams"] == 4 and doc["rtt_ms"] == pytest.approx(40.0)
     assert doc["bits_per_second"] == pytest.approx(8e8)
     assert [s["streams"] for s in doc["samples"]] == [1, 4]
+
+
+@pytest.mark.parametrize("gbps, expected", [
+    # bench/wan_throughput.py probe samples (Gbit/s per stream count) on the emulated 2 Gbit/s path
+    ({1: 0.309, 2: 0.618, 4: 1.236, 8: 1.931, 16: 1.845, 32: 1.893}, 8),  # 40 ms, window-limited
+    ({1: 0.23, 2: 0.38, 4: 0.783, 8: 1.578, 16: 1.767, 32: 1.931, 64: 1.364}, 32),  # 40 ms, 0.1 % loss
+    ({1: 0.398, 2: 0.735, 4: 1.276, 8: 1.734, 16: 1.551, 32: 1.417}, 8),  # 40 ms, 1 % loss, -w 4M
+    ({1: 0.553, 2: 1.101, 4: 1.93, 8: 1.786, 16: 1.484}, 4),  # 80 ms, -w 4M: past the knee it falls
+])
+def test_measured_wan_curves_choose_the_knee(gbps, expected):
+    ramp = run(lambda n: gbps[n] * 1e9 / 8)
+    assert [s.streams for s in ramp.steps] == sorted(gbps)  # stops after two steps without gain
+    assert ramp.choice() == expected

@@ -27,7 +27,7 @@ from wanlink.errors import (
     AuthenticationError, ConfigError, DeadlineExceeded, PeerLost, ProtocolError, UnsupportedError, WanlinkError,
 )
 from wanlink.probe import iperf3 as proto
-from wanlink.probe.driver import choose_streams
+from wanlink.probe.driver import choose_streams, inflight_bytes_for
 from wanlink.probe.iperf3 import (
     NEED_DATA, ConnectionClosed, ControlConnection, Cookie, Parameters, Results, Role, ServerError, State,
     StateChange, StreamResult, TestParameters, TestResults, WanlinkAccept,
@@ -875,7 +875,7 @@ class Client:
             link = self.link
             if any(c.sender for c in channels):
                 message = memoryview(bytes(link.chunk_size * link.streams))
-                depth = max(4, -(-(32 << 20) // len(message)))
+                depth = max(4, -(-inflight_bytes_for(self.link.streams) // len(message)))
                 self.tasks.append(loop.create_task(link_sender(link, progress, message, self.estimator, depth)))
             if any(not c.sender for c in channels):
                 self.tasks.append(loop.create_task(self._watch_link_rx(channels, progress, refresh)))
@@ -1172,7 +1172,7 @@ class Session:
         if self.wanlink:
             if any(c.sender for c in channels):
                 message = memoryview(bytes(self.link.chunk_size * self.link.streams))
-                depth = max(4, -(-(32 << 20) // len(message)))
+                depth = max(4, -(-inflight_bytes_for(self.link.streams) // len(message)))
                 self.tasks.append(loop.create_task(
                     link_sender(self.link, progress, message, self.estimator, depth)))
         else:

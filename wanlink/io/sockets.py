@@ -11,6 +11,10 @@ from wanlink.errors import ConfigError, PeerLost
 
 log = logging.getLogger("wanlink.io")
 DEFAULT_CONGESTION = "bbr"
+# Unsent bytes a stream socket towards a remote peer accepts before it stops taking more. Without a
+# limit, writers pour chunks into multi-MB send buffers as fast as the kernel takes them, so a few
+# streams hoard the queue while others sit idle (40 ms path, 8 streams: 1.58 vs 1.83 Gbit/s).
+NOTSENT_LOWAT_BYTES = 1 << 20
 
 
 def available_congestion_controls() -> list[str]:
@@ -29,14 +33,19 @@ def configure_stream_socket(sock: socket.socket, *, congestion: str | None = Non
     long path; bbr does not), except towards a loopback ``peer_host``, where bbr's pacing only
     costs CPU (about 35 % more per byte, bench/loopback_throughput.py --congestion) and the system
     default stays. An explicitly named algorithm the kernel lacks is a ConfigError.
+    Towards a remote peer, TCP_NOTSENT_LOWAT keeps at most about ``NOTSENT_LOWAT_BYTES`` unsent in
+    the kernel, so each stream pulls its next chunk only as fast as it actually sends.
     ``buffer_bytes`` sets SO_SNDBUF/SO_RCVBUF, which disables the kernel's autotuning for this
     socket (and escapes per-namespace caps): leave it None unless you mean it.
     """
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if congestion is not None or not is_loopback(peer_host):
+        remote = not is_loopback(peer_host)
+        if congestion is not None or remote:
             _set_congestion(sock, congestion)
+        if remote and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
     if buffer_bytes is not None:
         if buffer_bytes <= 0:
             raise ConfigError(f"socket buffer size must be positive, got {buffer_bytes}")
@@ -70,10 +79,18 @@ def _set_congestion(sock: socket.socket, congestion: str | None) -> None:
 
 _TCP_INFO_BYTES_ACKED = struct.Struct("=Q")
 _TCP_INFO_BYTES_ACKED_OFFSET = 120  # struct tcp_info: tcpi_bytes_acked (Linux 4.6 and later)
+_TCP_INFO_U32 = struct.Struct("=I")
+_TCP_INFO_SND_MSS_OFFSET, _TCP_INFO_SACKED_OFFSET = 16, 28  # tcpi_snd_mss, tcpi_sacked (segments)
 
 
 def tcp_bytes_acked(sock: socket.socket) -> int | None:
-    """Payload bytes the peer's kernel has acknowledged on this TCP socket; None where unknown."""
+    """Payload bytes the peer's kernel has acknowledged on this TCP socket; None where unknown.
+
+    Cumulatively acknowledged bytes plus the segments acknowledged selectively (SACK) beyond a
+    hole: counting only the cumulative part, a hole filled by a retransmit releases everything
+    behind it at once, and short windows after a loss overstated rates (2.19 Gbit/s measured on
+    a 1.93 Gbit/s path with 32 streams and 0.1 % loss).
+    """
     if not hasattr(socket, "TCP_INFO"):
         return None
     end = _TCP_INFO_BYTES_ACKED_OFFSET + _TCP_INFO_BYTES_ACKED.size
@@ -83,7 +100,9 @@ def tcp_bytes_acked(sock: socket.socket) -> int | None:
         return None
     if len(raw) < end:
         return None
-    return _TCP_INFO_BYTES_ACKED.unpack_from(raw, _TCP_INFO_BYTES_ACKED_OFFSET)[0]
+    sacked = _TCP_INFO_U32.unpack_from(raw, _TCP_INFO_SACKED_OFFSET)[0]
+    mss = _TCP_INFO_U32.unpack_from(raw, _TCP_INFO_SND_MSS_OFFSET)[0]
+    return _TCP_INFO_BYTES_ACKED.unpack_from(raw, _TCP_INFO_BYTES_ACKED_OFFSET)[0] + sacked * mss
 
 
 def congestion_of(sock: socket.socket) -> str:
