@@ -5,9 +5,11 @@ with error feedback against torch.topk(|g|) and a torch threshold + nonzero (sam
 kept); decode + scatter_add_ of one peer's frame against torch index_add_ (per element, and per
 16-float row); a SparseSGD step on the kept blocks against a dense torch.optim.SGD step (both with
 momentum 0.9). The operations take turns, round by round, so ours and the baselines see the same
-background load; times are medians, and the fastest run of each is reported too (on a shared
-machine it shows what the code does when no other process takes the core). Prints tables, writes
-bench/results/kernels.{json,png}.
+background load; each timed call follows untimed warm-up calls of the same operation (at least
+2 ms of them). Times are medians, and the fastest run of each is reported too (on a shared
+machine it shows what the code does when no other process takes the core). The scatter and SGD
+pairs are also timed cache-cold, each call right after reading 64 MiB, as in training where the
+kept blocks differ every step. Prints tables, writes bench/results/kernels.{json,png}.
 
     python3 dev.py bench bench/kernels.py                       # 25M and 100M, 1 % and 0.1 %, 2 threads
     python3 dev.py bench bench/kernels.py --sizes 1M --repeats 3  # quick
@@ -20,7 +22,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -32,6 +36,9 @@ from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, scat
 from wanlink.optim import SparseSGD  # noqa: E402
 
 BLOCK = 16
+WARM_UP_SECONDS = 0.002
+EVICTION_FLOATS = 16 << 20  # 64 MiB read before a cache-cold call: twice the last-level cache
+COLD_VARIANTS = ("decode_scatter_s", "index_add_elements_s", "sparse_sgd_s", "dense_sgd_s")
 TARGETS = {  # checked on the first size/density of the run when it is 25M at 1 %
     "sparsify_vs_topk": 60.0, "sparsify_over_scan": 3.0, "scatter_vs_index_add": 3.0, "sgd_vs_dense": 100.0,
 }
@@ -43,29 +50,42 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
+class Operation(NamedTuple):
+    function: Callable
+    prepare: Callable | None = None  # untimed, before every call (a fresh input, or evicting the caches)
+    warm_up: bool = True  # False: time the first call after prepare (the cache-cold variants)
+
+
 def interleaved_times(operations: dict, rounds: int, baseline_rounds: int, baselines: set) -> dict:
     """Wall times per operation, the operations taking turns round by round.
 
     Taking turns exposes ours and the baselines to the same background load (this machine is
-    shared). Each turn makes one untimed call, then one timed call, so an operation is timed
-    back-to-back with itself (warm, and not slowed by the previous operation's threads winding
-    down); round 0 is a warm-up. operations: name -> (function, untimed preparation or None).
-    Baselines run in the first ``baseline_rounds`` rounds only (torch.topk is slow).
+    shared). In each turn an operation first runs untimed, back to back with itself, for at least
+    WARM_UP_SECONDS (one call of a slow operation, dozens of a fast one: on this VM a fast call
+    needs a few predecessors before its caches, TLB and the second core are warm), then one timed
+    call follows. Cold operations (warm_up False) are timed on their first call after prepare.
+    Round 0 is a warm-up. Baselines run in the first ``baseline_rounds`` rounds only (torch.topk is slow).
     """
     times = {name: [] for name in operations}
     for round_number in range(rounds + 1):
-        for name, (function, prepare) in operations.items():
+        for name, operation in operations.items():
             if name in baselines and round_number > baseline_rounds:
                 continue
-            for _ in range(2):
-                if prepare is not None:
-                    prepare()
-                start = time.perf_counter()
-                function()
-                elapsed = time.perf_counter() - start
+            warmed = 0.0
+            while operation.warm_up and warmed < WARM_UP_SECONDS:
+                warmed += timed_call(operation)
+            elapsed = timed_call(operation)
             if round_number > 0:
                 times[name].append(elapsed)
     return times
+
+
+def timed_call(operation: Operation) -> float:
+    if operation.prepare is not None:
+        operation.prepare()
+    start = time.perf_counter()
+    operation.function()
+    return time.perf_counter() - start
 
 
 def measure(numel: int, density: float, repeats: int, baseline_repeats: int) -> dict:
@@ -107,20 +127,28 @@ def measure(numel: int, density: float, repeats: int, baseline_repeats: int) -> 
     dense_param.grad = grad
     dense_sgd = torch.optim.SGD([dense_param], lr=0.01, momentum=0.9)
 
+    evictor = torch.ones(EVICTION_FLOATS)
+
+    def evict_caches():
+        evictor.sum()
+
     operations = {
-        "scan_s": (lambda: torch.sum(grad), None),
-        "sparsify_ef_s": (lambda: sparsifier.compress(fresh),
-                          lambda: torch.randn(numel, generator=generator, out=fresh)),
-        "topk_s": (lambda: torch.topk(grad.abs(), kept_values, sorted=False), None),
-        "threshold_nonzero_s": (threshold_nonzero, None),
-        "decode_scatter_s": (decode_scatter, None),
-        "index_add_elements_s": (lambda: dense.index_add_(0, element_ids, element_values), None),
-        "sparse_sgd_s": (lambda: sparse_sgd.step(sparse_grads), None),
-        "dense_sgd_s": (dense_sgd.step, None),
+        "scan_s": Operation(lambda: torch.sum(grad)),
+        "sparsify_ef_s": Operation(lambda: sparsifier.compress(fresh),
+                                   lambda: torch.randn(numel, generator=generator, out=fresh)),
+        "topk_s": Operation(lambda: torch.topk(grad.abs(), kept_values, sorted=False)),
+        "threshold_nonzero_s": Operation(threshold_nonzero),
+        "decode_scatter_s": Operation(decode_scatter),
+        "index_add_elements_s": Operation(lambda: dense.index_add_(0, element_ids, element_values)),
+        "sparse_sgd_s": Operation(lambda: sparse_sgd.step(sparse_grads)),
+        "dense_sgd_s": Operation(dense_sgd.step),
     }
     if rows is not None:
-        operations["index_add_rows_s"] = (lambda: rows.index_add_(0, row_ids, values), None)
-    baselines = {"topk_s", "threshold_nonzero_s", "index_add_elements_s", "index_add_rows_s", "dense_sgd_s"}
+        operations["index_add_rows_s"] = Operation(lambda: rows.index_add_(0, row_ids, values))
+    for name in COLD_VARIANTS:
+        operations[name.removesuffix("_s") + "_cold_s"] = operations[name]._replace(prepare=evict_caches, warm_up=False)
+    baselines = {"topk_s", "threshold_nonzero_s", "index_add_elements_s", "index_add_rows_s", "dense_sgd_s",
+                 "index_add_elements_cold_s", "dense_sgd_cold_s"}
     times = interleaved_times(operations, repeats, baseline_repeats, baselines)
     result.update({name: statistics.median(samples) for name, samples in times.items()})
     result["fastest"] = {name: min(samples) for name, samples in times.items()}
@@ -143,6 +171,8 @@ def ratios(times: dict) -> dict:
     }
     if "index_add_rows_s" in times:
         out["scatter_vs_index_add_rows"] = times["index_add_rows_s"] / times["decode_scatter_s"]
+    out["scatter_vs_index_add_cold"] = times["index_add_elements_cold_s"] / times["decode_scatter_cold_s"]
+    out["sgd_vs_dense_cold"] = times["dense_sgd_cold_s"] / times["sparse_sgd_cold_s"]
     return out
 
 
@@ -168,8 +198,12 @@ def plot(rows: list[dict]) -> Path:
                            ("torch threshold+nonzero", "threshold_nonzero_s"), ("torch.topk", "topk_s")]),
         ("decode + scatter-add, one peer", [("wanlink decode+scatter_add_", "decode_scatter_s"),
                                             ("index_add_ (rows)", "index_add_rows_s"),
-                                            ("index_add_ (elements)", "index_add_elements_s")]),
-        ("SGD step (momentum 0.9)", [("wanlink SparseSGD", "sparse_sgd_s"), ("torch.optim.SGD dense", "dense_sgd_s")]),
+                                            ("index_add_ (elements)", "index_add_elements_s"),
+                                            ("wanlink, cache-cold", "decode_scatter_cold_s"),
+                                            ("index_add_ (elements), cache-cold", "index_add_elements_cold_s")]),
+        ("SGD step (momentum 0.9)", [("wanlink SparseSGD", "sparse_sgd_s"), ("torch.optim.SGD dense", "dense_sgd_s"),
+                                     ("wanlink SparseSGD, cache-cold", "sparse_sgd_cold_s"),
+                                     ("torch.optim.SGD dense, cache-cold", "dense_sgd_cold_s")]),
     ]
     for axis, (title, series) in zip(axes, panels):
         width = 0.8 / len(series)
@@ -226,6 +260,12 @@ def main(argv=None) -> int:
     print_table(table, ratio_columns)
     print("\nratios of the fastest runs")
     print_table([{**row, **r["fastest_ratios"]} for row, r in zip(table, rows)], ratio_columns)
+    print("\ncache-cold calls (64 MiB read before each), ms (median) and speed-ups")
+    print_table(table, [("size", "size", ""), ("pct", "density %", ".2g"),
+                        ("decode_scatter_cold_s", "dec+scatter", ".3f"), ("index_add_elements_cold_s", "idx_add el", ".3f"),
+                        ("scatter_vs_index_add_cold", "vs idx_add el", ".1f"),
+                        ("sparse_sgd_cold_s", "SparseSGD", ".3f"), ("dense_sgd_cold_s", "torch SGD", ".1f"),
+                        ("sgd_vs_dense_cold", "SGD speed-up", ".0f")])
     checks = {"median": check_targets(rows, args.threads), "fastest": check_targets(rows, args.threads, True)}
     for kind, kind_checks in checks.items():
         if kind_checks:

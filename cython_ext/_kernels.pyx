@@ -30,7 +30,7 @@ cdef enum:
     MAX_BLOCK = 1024          # largest block size (a power of two) the scorer's stack buffer holds
     CHUNKS_PER_THREAD = 8     # dynamic scheduling slack for threads slowed by other processes
     PARALLEL_GRAIN = 65536    # floats per thread below which waking another thread costs more than it saves
-    PREFETCH_AHEAD = 8        # blocks: random block accesses overlap their cache misses this far ahead
+    PREFETCH_AHEAD = 32       # blocks: random block accesses overlap their cache and TLB misses this far ahead
     RANDOM_ACCESS_COST = 4    # a float reached through a block id costs about this many streamed floats
 
 

@@ -33,7 +33,6 @@ class SparseSGD(torch.optim.Optimizer):
                         nesterov=nesterov, block=check_block_size(block))
         super().__init__(params, defaults)
 
-    @torch.no_grad()
     def step(self, sparse_grads: Mapping | None = None, closure=None):
         """Update from ``sparse_grads`` (lazily, listed blocks only) or, when None, densely from p.grad."""
         loss = None
@@ -42,12 +41,13 @@ class SparseSGD(torch.optim.Optimizer):
                 loss = closure()
         if sparse_grads is None:
             self._dense_step()
-        else:
+        else:  # works on NumPy views of the tensors: autograd never sees it, so no torch.no_grad() to pay for
             self._sparse_step(sparse_grads)
         return loss
 
-    def _param_array(self, param: torch.Tensor) -> np.ndarray:
-        if param.dtype != torch.float32:
+    @staticmethod
+    def _param_array(param: torch.Tensor) -> np.ndarray:
+        if param.dtype is not torch.float32:
             raise UnsupportedError(f"SparseSGD updates float32 parameters, got {param.dtype}")
         return flat_view(param, np.float32, "parameter")
 
@@ -60,14 +60,18 @@ class SparseSGD(torch.optim.Optimizer):
         every block as started.)
         """
         state = self.state[param]
-        nblocks = block_count(param.numel(), group["block"])
-        if state.get("momentum_buffer") is None:
-            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        buffer = state.get("momentum_buffer")
+        if buffer is None:
+            buffer = state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
             if group["dampening"] != 0:
-                state["initialized_blocks"] = torch.zeros(nblocks, dtype=torch.uint8)
+                state["initialized_blocks"] = torch.zeros(block_count(param.numel(), group["block"]),
+                                                          dtype=torch.uint8)
                 state["blocks_started"] = 0
         flags = state.get("initialized_blocks")
-        if flags is not None and (flags.dtype != torch.uint8 or flags.numel() != nblocks):
+        if flags is None:
+            return flat_view(buffer, np.float32, "momentum buffer"), None
+        nblocks = block_count(param.numel(), group["block"])
+        if flags.dtype != torch.uint8 or flags.numel() != nblocks:
             if flags.numel() != nblocks:  # a block size change: restart the bookkeeping as all started
                 flags = None
             else:  # Optimizer.load_state_dict casts state tensors to the parameter's dtype
@@ -76,8 +80,7 @@ class SparseSGD(torch.optim.Optimizer):
             state["initialized_blocks"] = flags
             if flags is None:
                 state.pop("initialized_blocks")
-        buffer = flat_view(state["momentum_buffer"], np.float32, "momentum buffer")
-        return buffer, (None if flags is None else flags.numpy())
+        return flat_view(buffer, np.float32, "momentum buffer"), (None if flags is None else flags.numpy())
 
     def _record_started(self, param: torch.Tensor, group: dict, started: int) -> None:
         state = self.state[param]
@@ -124,6 +127,7 @@ class SparseSGD(torch.optim.Optimizer):
         if started:
             self._record_started(param, group, started)
 
+    @torch.no_grad()
     def _dense_step(self) -> None:
         for group in self.param_groups:
             for param in group["params"]:
