@@ -103,6 +103,21 @@ def test_ring_allreduce_ops(op, dtype):
     assert all(torch.equal(result, expected) for result in run_members(4, member))
 
 
+@pytest.mark.parametrize("op,dtype", [("sum", torch.float32), ("sum", torch.bool), ("product", torch.int64),
+                                      ("min", torch.float64), ("max", torch.int32), ("band", torch.uint8),
+                                      ("bor", torch.int16), ("bxor", torch.int8)])
+def test_reducer_with_out_leaves_the_accumulator_alone(op, dtype):
+    reducer = reducer_for(op, dtype, "t")
+    acc, incoming = data(0, 99, dtype), data(1, 99, dtype)
+    in_place = acc.clone()
+    reducer(in_place, incoming)
+    separate, aliased = torch.empty_like(acc), incoming.clone()
+    reducer(acc, incoming, separate)
+    reducer(acc, aliased, aliased)  # out may be the incoming tensor itself
+    assert torch.equal(separate, in_place) and torch.equal(aliased, in_place)
+    assert torch.equal(acc, data(0, 99, dtype))
+
+
 def test_ring_allreduce_bytes_per_member():
     """Each member sends 2(n-1)/n of the buffer, not (n-1) times it."""
     numel, size = 4000, 4

@@ -12,6 +12,12 @@ import torch.distributed as dist
 from c10d_worlds import run_world
 
 
+def mixed_dtype_reduce_scatters(size):
+    with dist._coalescing_manager():
+        dist.reduce_scatter_tensor(torch.empty(1), torch.ones(size))
+        dist.reduce_scatter_tensor(torch.empty(1, dtype=torch.int64), torch.ones(size, dtype=torch.int64))
+
+
 def unsupported_requests(rank, size):
     """Each request must raise UnsupportedError naming its op, synchronously, on every rank."""
     from wanlink.errors import UnsupportedError
@@ -20,7 +26,8 @@ def unsupported_requests(rank, size):
         "all_reduce": lambda: dist.all_reduce(torch.ones(2, dtype=torch.float8_e4m3fn)),
         "all_reduce BAND": lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
         "all_reduce PREMUL_SUM": lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0)),
-        "recv": lambda: dist.recv(torch.ones(2)),
+        "recv": lambda: dist.recv(torch.ones(0)),  # from any rank: an empty tensor names no sender
+        "reduce_scatter_tensor_coalesced": lambda: mixed_dtype_reduce_scatters(size),
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.ones(2), torch.ones(2 * size).to_sparse()),
     }
     messages = {}
@@ -84,8 +91,11 @@ def one_rank_skips(rank, size):
         time.sleep(8)  # never joins the collective; stays alive past rank 0's timeout
         return "skipped"
     started = time.monotonic()
+    stray = dist.irecv(torch.empty(1), tag=5)  # from any rank; nobody sends
     with pytest.raises(DeadlineExceeded) as caught:
         dist.all_reduce(torch.ones(8), async_op=True).wait()
+    with pytest.raises(DeadlineExceeded, match="recv any rank tag 5"):
+        stray.wait()
     return str(caught.value), time.monotonic() - started
 
 
@@ -103,11 +113,14 @@ def peer_dies(rank, size, big):
         dist.barrier()
         os._exit(17)  # dies without a word (maybe before acknowledging the barrier's last bytes)
     numel = 1 << 20 if big else 16
+    stray = dist.irecv(torch.empty(1), tag=5)  # from any rank; nobody sends
     with pytest.raises(PeerLost):
         dist.barrier()
         for _ in range(50):  # the peer may still be flushing when the first one starts
             dist.all_reduce(torch.ones(numel), async_op=True).wait()
             time.sleep(0.05)
+    with pytest.raises(PeerLost):
+        stray.wait()
     return "raised"
 
 

@@ -191,6 +191,55 @@ def _(rank, size, gloo):
     expect_equal(full.view(size, 5)[rank], expected, "in-place reduce_scatter_tensor")
 
 
+def coalesced_all_gather_case(rank, size, gloo, *, numel):
+    """all_gather_coalesced, and all_gather_into_tensor (mixed dtypes) in a coalescing manager."""
+    inputs = [make(rank, (numel,), torch.float32), make(rank + 5, (2, 3), torch.float32)]
+    output_lists = [[make(99, (1, numel), torch.float32, strided=True)[0], torch.empty(2, 3)] for _ in range(size)]
+    expected = [[torch.empty_like(t) for _ in range(size)] for t in inputs]
+    for want, tensor in zip(expected, inputs):
+        dist.all_gather(want, tensor, group=gloo)
+    dist.all_gather_coalesced(output_lists, inputs)
+    for k in range(size):
+        for i in range(len(inputs)):
+            expect_equal(output_lists[k][i], expected[i][k], f"all_gather_coalesced rank {k} input {i}")
+    sources = [make(rank, (numel,), torch.bfloat16), make(rank + 1, (3,), torch.int64),
+               make(rank + 2, (5,), torch.bool)]
+    outputs = [torch.empty(size * numel, dtype=torch.bfloat16), torch.empty(size, 3, dtype=torch.int64),
+               torch.zeros(size * 5 * 2, dtype=torch.bool)[::2]]
+    with dist._coalescing_manager(async_ops=True) as manager:
+        for output, source in zip(outputs, sources):
+            dist.all_gather_into_tensor(output, source, async_op=True)
+    manager.wait()
+    for output, source in zip(outputs, sources):
+        want = torch.empty(size * source.numel(), dtype=source.dtype)
+        dist.all_gather_into_tensor(want, source, group=gloo)
+        expect_equal(output.reshape(-1), want, f"coalesced all_gather_into_tensor {source.dtype}")
+
+
+case("coalesced-all_gather-small", numel=SMALL)(coalesced_all_gather_case)
+case("coalesced-all_gather-big", numel=BIG)(coalesced_all_gather_case)
+
+
+def coalesced_reduce_scatter_case(rank, size, gloo, *, numel):
+    """reduce_scatter_tensor in a coalescing manager (FSDP's pattern), SUM and MAX, in place too."""
+    for op, dtype in ((R.SUM, torch.float32), (R.MAX, torch.int64)):
+        inputs = [make(rank * 3 + i, (size * n,), dtype) for i, n in enumerate((numel, 4, 0))]
+        outputs = [torch.empty(n, dtype=dtype) for n in (numel, 4, 0)]
+        expected = [torch.empty_like(t) for t in outputs]
+        for want, source in zip(expected, inputs):
+            dist.reduce_scatter_tensor(want, source.clone(), op=op, group=gloo)
+        outputs[0] = inputs[0].view(size, numel)[rank]  # in place: an output inside its own input
+        with dist._coalescing_manager():
+            for output, source in zip(outputs, inputs):
+                dist.reduce_scatter_tensor(output, source, op=op)
+        for output, want in zip(outputs, expected):
+            expect_equal(output, want, f"coalesced reduce_scatter_tensor {op} {dtype}")
+
+
+case("coalesced-reduce_scatter-small", numel=SMALL)(coalesced_reduce_scatter_case)
+case("coalesced-reduce_scatter-big", numel=BIG)(coalesced_reduce_scatter_case)
+
+
 @case("reduce_scatter-avg")
 def _(rank, size, gloo):
     inputs = [torch.full((4,), float(rank + k)) for k in range(size)]
@@ -291,6 +340,39 @@ def _(rank, size, gloo):
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     expect_equal(column, make(left, (3,), torch.float32), "batch_isend_irecv into a non-contiguous view")
+
+
+@case("recv_anysource")
+def _(rank, size, gloo):
+    """recv/irecv without src: every message delivered exactly once, its sender reported (global rank)."""
+    senders = list(range(1, size)) * 2  # in a world of 2, rank 1 sends twice per tag
+    if rank == 0:
+        received = []
+        for _ in senders:  # blocking recv returns the sender
+            tensor = torch.empty(2)
+            source = dist.recv(tensor, tag=11)
+            received.append((source, int(tensor[0]), int(tensor[1])))
+        pending = [(dist.irecv(tensor, tag=12), tensor) for tensor in [torch.empty(2, dtype=torch.int64)
+                                                                        for _ in senders]]
+        dist.barrier(group=gloo)  # every tag-12 receive is posted before anything is sent on it
+        for work, tensor in pending:
+            work.wait()
+            received.append((work._source_rank(), int(tensor[0]), int(tensor[1])))
+        sent = sorted((source, senders[:k].count(source)) for k, source in enumerate(senders))
+        for batch in (received[:len(senders)], received[len(senders):]):
+            assert all(source == value for source, value, _ in batch), batch
+            assert sorted((source, turn) for source, _, turn in batch) == sent, batch
+    else:
+        for turn in range(senders.count(rank)):
+            dist.send(torch.tensor([rank, turn], dtype=torch.float32), 0, tag=11)
+        dist.barrier(group=gloo)
+        for turn in range(senders.count(rank)):
+            dist.send(torch.tensor([rank, turn]), 0, tag=12)
+    pair = dist.new_group([0, size - 1], backend="wanlink")
+    if rank == 0:
+        assert dist.recv(torch.empty(1), group=pair) == size - 1  # the global rank, not the group rank
+    elif rank == size - 1:
+        dist.send(torch.ones(1), group_dst=0, group=pair)
 
 
 @case("subgroups")

@@ -34,7 +34,37 @@ async def test_sizes_and_stream_counts_arrive_identical(streams, size):
         assert received == size and out == data
         if size >= 64 * MiB and streams > 1:
             per_stream = p.client.stats()["chunks_sent_per_stream"]
-            assert sum(per_stream) == 64 and sum(1 for n in per_stream if n) > 1  # striped, not one stream
+            assert sum(per_stream) == size // p.client.chunk_size and sum(1 for n in per_stream if n) > 1  # striped
+    finally:
+        await p.close()
+
+
+async def test_loopback_links_default_to_large_chunks_unless_told(monkeypatch):
+    from wanlink.io.link import LOOPBACK_CHUNK_SIZE
+
+    p = await open_pair(2)
+    try:
+        assert p.client.chunk_size == p.accepted.chunk_size == LOOPBACK_CHUNK_SIZE
+    finally:
+        await p.close()
+    monkeypatch.setenv("WANLINK_CHUNK_SIZE", str(MiB))
+    p = await open_pair(2, chunk_size=512 * 1024)
+    try:
+        assert (p.client.chunk_size, p.accepted.chunk_size) == (512 * 1024, MiB)
+    finally:
+        await p.close()
+
+
+async def test_reader_yields_after_its_budget_and_still_delivers_everything(monkeypatch):
+    monkeypatch.setattr("wanlink.io.stream.READ_BUDGET_BYTES", 1000)  # a few reads per readable callback
+    p = await open_pair(2)
+    try:
+        data = pattern(3 * MiB + 5, seed=3)
+        out = bytearray(len(data))
+        await asyncio.gather(p.client.send(data, tag=4), p.accepted.recv_into(out, tag=4),
+                             p.client.send_control({"after": "data"}))
+        assert out == data
+        assert await asyncio.wait_for(p.accepted.recv_control(), 5) == {"after": "data"}
     finally:
         await p.close()
 
@@ -251,7 +281,7 @@ async def test_discard_tag_control_messages_and_stats(pair):
     stats = wanlink.stats()
     mine = stats[pair.client.name]
     assert mine["streams"] == 4 and mine["streams_alive"] == 4 and mine["bytes_sent"] >= 3 * MiB
-    assert sum(mine["chunks_sent_per_stream"]) == 3
+    assert sum(mine["chunks_sent_per_stream"]) == -(-3 * MiB // pair.client.chunk_size)
     assert pair.accepted.stats()["unexpected_bytes_held"] == 0
 
 

@@ -35,6 +35,22 @@ def test_message_before_post_is_staged_then_copied():
     assert entry.done and bytes(buf) == b"abcd" and r.unexpected_bytes == 0
 
 
+def test_staging_buffers_are_reused_once_copied_out():
+    r = Reassembler()
+    first = r.place(chunk(1, 0, 4, 0, 4))
+    first[:] = b"abcd"
+    r.chunk_done(chunk(1, 0, 4, 0, 4))
+    buf = bytearray(4)
+    r.post(1, memoryview(buf))
+    second = r.place(chunk(2, 0, 4, 0, 4))
+    assert second.obj is first.obj  # the freed staging buffer, not fresh memory
+    second[:] = b"wxyz"
+    r.chunk_done(chunk(2, 0, 4, 0, 4))
+    out = bytearray(4)
+    r.post(2, memoryview(out))
+    assert bytes(buf) == b"abcd" and bytes(out) == b"wxyz" and r.unexpected_bytes == 0
+
+
 def test_partially_staged_message_completes_after_post():
     r = Reassembler()
     deliver(r, chunk(1, 0, 8, 0, 4), b"abcd")

@@ -17,7 +17,8 @@ from wanlink.errors import DesyncError
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
        "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
-       "barrier", "all_reduce_coalesced", "monitored_barrier")
+       "barrier", "all_reduce_coalesced", "monitored_barrier", "all_gather_coalesced",
+       "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool)
 _HEADER = struct.Struct("<qhhqq")

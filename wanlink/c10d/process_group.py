@@ -8,7 +8,6 @@ pipelined rings (``wanlink.collectives``).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import threading
@@ -112,6 +111,29 @@ class LinkComm(Comm):
         link = await self._link(peer)
         await link.recv_into(_as_buffer(tensor), tag=self._base_tag | piece)
 
+    async def recv_any(self, peers: Sequence[int], tensor: torch.Tensor, piece: int = 0) -> int:
+        """Receive the next message on this tag from whichever of ``peers`` sends one; returns that peer.
+
+        Only a message that has started arriving is claimed, so when several peers send, one message
+        is received and the others stay queued for the next receive.
+        """
+        links = {peer: await self._link(peer) for peer in peers}
+        tag = self._base_tag | piece
+        while True:
+            for peer, link in links.items():
+                if link.message_started(tag):  # checked and claimed with no await in between
+                    await link.recv_into(_as_buffer(tensor), tag=tag)
+                    return peer
+            waits = [asyncio.ensure_future(link.wait_message_started(tag)) for link in links.values()]
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+            failure = next((error for error in [wait.exception() for wait in done] if error is not None), None)
+            if failure is not None:  # a failed link (PeerLost)
+                raise failure
+
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         buffer = _scratch_pool.take(numel * itemsize)
@@ -167,6 +189,20 @@ def _same_numel(op: str, tensors: Sequence[torch.Tensor], expected: int, what: s
             raise ConfigError(f"wanlink {op}: every {what} must have {expected} elements, got {tensor.numel()}")
 
 
+def _check_batch(op: str, outputs: Sequence, inputs: Sequence) -> None:
+    """A coalesced call needs one output per input, at least one of each."""
+    if not inputs or len(outputs) != len(inputs):
+        raise ConfigError(f"wanlink {op}: need one output per input and at least one input, "
+                          f"got {len(outputs)} outputs and {len(inputs)} inputs")
+
+
+def _copy_parts(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive parts of ``flat`` into ``tensors`` (any layout, any device)."""
+    with torch.no_grad():
+        for tensor, part in zip(tensors, flat.split([tensor.numel() for tensor in tensors])):
+            tensor.copy_(part.view(tensor.shape))
+
+
 class ProcessGroupWanlink(ProcessGroup):
     """The "wanlink" backend: see docs/c10d.md."""
 
@@ -177,12 +213,13 @@ class ProcessGroupWanlink(ProcessGroup):
         self.mesh_ranks = list(mesh_ranks)
         self.group_rank, self.group_size = group_rank, len(mesh_ranks)
         self.label, self.default_timeout = group_name, timeout
+        self._group_name, self._group_desc = group_name, group_name
         self.slot = mesh.claim_slot(group_name)
         self.direct_max_bytes = env_int("WANLINK_DIRECT_MAX_BYTES", DIRECT_MAX_BYTES)
         self.piece_bytes = max(1, env_int("WANLINK_PIECE_BYTES", PIECE_BYTES))
         self.detail = dist.get_debug_level() == dist.DebugLevel.DETAIL or \
             os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
-        self._sequence = itertools.count()
+        self._sequence = 0
         self._sequence_lock = threading.Lock()
 
     # -- identity -----------------------------------------------------------------------------
@@ -192,6 +229,22 @@ class ProcessGroupWanlink(ProcessGroup):
     def name(self) -> str:
         return "wanlink"
 
+    # torch's ProcessGroup keeps its name and description in its per-device Backends; a Python
+    # ProcessGroup has none, so `group_name` (which functional collectives, DTensor and FSDP2
+    # resolve groups by) would raise "ProcessGroup name not set". These overrides are what
+    # C++ (ProcessGroup::getGroupName) and Python (`pg.group_name`, `_set_group_name`) reach.
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
     def __repr__(self) -> str:
         return f"ProcessGroupWanlink(group={self.label!r}, rank={self.group_rank}, size={self.group_size})"
 
@@ -200,9 +253,12 @@ class ProcessGroupWanlink(ProcessGroup):
         self.default_timeout = timeout
 
     # -- machinery ----------------------------------------------------------------------------
-    def _next_sequence(self) -> int:
+    def _next_sequence(self, count: int = 1) -> int:
+        """The first of ``count`` consecutive collective sequence numbers."""
         with self._sequence_lock:
-            return next(self._sequence)
+            first = self._sequence
+            self._sequence += count
+            return first
 
     def _deadline_seconds(self, opts=None) -> float:
         timeout = getattr(opts, "timeout", None)
@@ -210,7 +266,8 @@ class ProcessGroupWanlink(ProcessGroup):
             return timeout.total_seconds()
         return self.default_timeout.total_seconds()
 
-    def _launch(self, op: str, label: str, body: Awaitable, outputs: list, seconds: float) -> WanlinkWork:
+    def _launch(self, op: str, label: str, body: Awaitable, outputs: list, seconds: float,
+                reports_source: bool = False) -> WanlinkWork:
         async def guarded():
             try:
                 return await asyncio.wait_for(body, seconds)
@@ -224,22 +281,27 @@ class ProcessGroupWanlink(ProcessGroup):
                 raise PeerLost(f"wanlink {label} (group {self.label!r}, rank {self.group_rank}): {error}") from error
 
         with torch.profiler.record_function(f"wanlink:{op}"):
-            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()))
+            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source)
 
-    def _collective(self, op: str, fingerprint: tuple, body: Callable[[Comm], Awaitable[None]],
-                    staging: Staging, outputs: list, opts=None) -> WanlinkWork:
-        """Run ``body`` under a fresh sequence number; write staged outputs back at the end."""
-        sequence = self._next_sequence()
+    def _collective(self, op: str, fingerprint: tuple, body: Callable[..., Awaitable[None]],
+                    staging: Staging, outputs: list, opts=None, parts: int = 1) -> WanlinkWork:
+        """Run ``body`` under a fresh sequence number; write staged outputs back at the end.
+
+        ``parts`` > 1 (coalesced calls): ``body`` gets that many Comms, one per sub-collective, each
+        with its own sequence number and so its own tags.
+        """
+        sequence = self._next_sequence(parts)
         dtype, count, root = fingerprint
         deadline = current_deadline()  # the launching thread's deadline_scope, URGENT outside one
 
         async def run() -> None:
-            comm = LinkComm(self, tags.collective_tag(self.slot, sequence), deadline)
+            comms = [LinkComm(self, tags.collective_tag(self.slot, sequence + k), deadline) for k in range(parts)]
             if self.detail:
-                await check_fingerprint(comm, Fingerprint(sequence, op, dtype, count, root), self.label)
-            await body(comm)
+                await check_fingerprint(comms[0], Fingerprint(sequence, op, dtype, count, root), self.label)
+            await body(*comms)
             staging.finish()
-            comm.release()  # only on success: after a failure a send may still read its buffer
+            for comm in comms:
+                comm.release()  # only on success: after a failure a send may still read its buffer
 
         return self._launch(op, f"{op} #{sequence}", run(), outputs, self._deadline_seconds(opts))
 
@@ -264,6 +326,28 @@ class ProcessGroupWanlink(ProcessGroup):
         if not 0 <= root < self.group_size:
             raise ConfigError(f"wanlink {op}: root {root} is not a rank of a group of {self.group_size}")
 
+    # -- algorithm choice (shared by single and coalesced calls) ----------------------------------
+    async def _run_allreduce(self, comm: Comm, buffer: torch.Tensor, reducer, name: str) -> None:
+        await (direct.allreduce if self._is_small(_nbytes(buffer)) else ring.allreduce)(comm, buffer, reducer)
+        if name == "avg":
+            finish_average(buffer, self.group_size)
+
+    async def _run_reduce_scatter(self, comm: Comm, blocks: list[torch.Tensor], result: torch.Tensor,
+                                  reducer, name: str) -> None:
+        if self._is_small(_nbytes(result) * self.group_size):
+            await direct.reduce_scatter(comm, blocks, result, reducer)
+        else:
+            await ring.reduce_scatter_into(comm, blocks, result, reducer)
+        if name == "avg":
+            finish_average(result, self.group_size)
+
+    async def _run_all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor]) -> None:
+        if self._is_small(sum(_nbytes(target) for target in targets)):
+            await direct.all_gather(comm, source, targets)
+        else:
+            targets[self.group_rank].copy_(source)
+            await ring.all_gather(comm, targets)
+
     # -- reductions ---------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = "all_reduce"
@@ -275,10 +359,7 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.write(tensor, fill=True)
 
         async def body(comm: Comm) -> None:
-            algorithm = direct.allreduce if self._is_small(_nbytes(buffer)) else ring.allreduce
-            await algorithm(comm, buffer, reducer)
-            if name == "avg":
-                finish_average(buffer, self.group_size)
+            await self._run_allreduce(comm, buffer, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
 
@@ -291,16 +372,10 @@ class ProcessGroupWanlink(ProcessGroup):
         reducer = reducer_for(name, tensors[0].dtype, op)
         staging = Staging()
         flat = torch.cat([staging.read(tensor) for tensor in tensors])
-        sizes = [tensor.numel() for tensor in tensors]
 
         async def body(comm: Comm) -> None:
-            algorithm = direct.allreduce if self._is_small(_nbytes(flat)) else ring.allreduce
-            await algorithm(comm, flat, reducer)
-            if name == "avg":
-                finish_average(flat, self.group_size)
-            with torch.no_grad():
-                for tensor, part in zip(tensors, flat.split(sizes)):
-                    tensor.copy_(part.view(tensor.shape))
+            await self._run_allreduce(comm, flat, reducer, name)
+            _copy_parts(flat, tensors)
 
         return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts)
 
@@ -310,12 +385,7 @@ class ProcessGroupWanlink(ProcessGroup):
         result = staging.write(output)
 
         async def body(comm: Comm) -> None:
-            if self._is_small(_nbytes(result) * self.group_size):
-                await direct.reduce_scatter(comm, blocks, result, reducer)
-            else:
-                await ring.reduce_scatter_into(comm, blocks, result, reducer)
-            if name == "avg":
-                finish_average(result, self.group_size)
+            await self._run_reduce_scatter(comm, blocks, result, reducer, name)
 
         return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts)
 
@@ -339,15 +409,50 @@ class ProcessGroupWanlink(ProcessGroup):
             raise ConfigError(f"wanlink {op}: input must have {self.group_size} x {output.numel()} elements, "
                               f"got {input.numel()}")
         staging = Staging()
-        in_place = output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
-        source = staging.scratch(input) if in_place else staging.read(input)  # output may be a chunk of input
-        blocks = list(split(source, self.group_size))
+        blocks = self._blocks_of(input, output, staging)
         name = _reduce_name(op, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         return self._reduce_scatter_blocks(op, blocks, output, name, staging, [output], opts)
 
+    def _blocks_of(self, source: torch.Tensor, output: torch.Tensor, staging: Staging) -> list[torch.Tensor]:
+        """The per-rank blocks of a reduce_scatter_tensor input (copied when ``output`` lies inside it)."""
+        in_place = output.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        return list(split(staging.scratch(source) if in_place else staging.read(source), self.group_size))
+
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        raise UnsupportedError("wanlink reduce_scatter_tensor_coalesced is not supported; "
-                               "call reduce_scatter_tensor per tensor")
+        """Several reduce_scatter_tensor calls as one Work. Small ones are reduced together (block k of
+        each, concatenated, goes to rank k: one round instead of one each); large ones run as their
+        own reduce-scatters, all at once."""
+        op = "reduce_scatter_tensor_coalesced"
+        _check_batch(op, outputs, inputs)
+        _check_tensors(op, [*outputs, *inputs])
+        for output, source in zip(outputs, inputs):
+            if source.numel() != output.numel() * self.group_size:
+                raise ConfigError(f"wanlink {op}: each input must have {self.group_size} x its output's "
+                                  f"{output.numel()} elements, got {source.numel()}")
+        name = _reduce_name(op, opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        dtype = outputs[0].dtype
+        reducer = reducer_for(name, dtype, op)
+        staging = Staging()
+        is_small = [self._is_small(_nbytes(output) * self.group_size) for output in outputs]
+        small = [i for i, flag in enumerate(is_small) if flag]
+        jobs = [(self._blocks_of(source, output, staging), staging.write(output))  # (blocks, result) each
+                for flag, output, source in zip(is_small, outputs, inputs) if not flag]
+        joint = [outputs[i] for i in small]
+        if joint:
+            stacked = torch.empty(self.group_size, sum(output.numel() for output in joint), dtype=dtype)
+            with torch.no_grad():  # row k: block k of every small input
+                for i, part in zip(small, stacked.split([output.numel() for output in joint], dim=1)):
+                    part.copy_(inputs[i].detach().reshape(part.shape))
+            jobs.append((list(stacked), torch.empty(stacked.shape[1], dtype=dtype)))
+
+        async def body(*comms: Comm) -> None:
+            await gather_all([self._run_reduce_scatter(comm, blocks, result, reducer, name)
+                              for comm, (blocks, result) in zip(comms, jobs)])
+            if joint:
+                _copy_parts(jobs[-1][1], joint)
+
+        total = sum(output.numel() for output in outputs)
+        return self._collective(op, (dtype, total, -1), body, staging, list(outputs), opts, parts=len(jobs))
 
     def reduce(self, tensors, opts=None):
         op = "reduce"
@@ -387,11 +492,7 @@ class ProcessGroupWanlink(ProcessGroup):
     def _all_gather_into(self, op: str, source: torch.Tensor, targets: list[torch.Tensor],
                          staging: Staging, outputs: list, opts) -> WanlinkWork:
         async def body(comm: Comm) -> None:
-            if self._is_small(sum(_nbytes(target) for target in targets)):
-                await direct.all_gather(comm, source, targets)
-            else:
-                targets[self.group_rank].copy_(source)
-                await ring.all_gather(comm, targets)
+            await self._run_all_gather(comm, source, targets)
 
         return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts)
 
@@ -421,12 +522,64 @@ class ProcessGroupWanlink(ProcessGroup):
         targets = list(split(staging.write(output), self.group_size))
         return self._all_gather_into(op, source, targets, staging, [output], opts)
 
+    def _all_gather_batch(self, op: str, inputs: Sequence[torch.Tensor], destinations: list[list[torch.Tensor]],
+                          staging: Staging, outputs: list, opts) -> WanlinkWork:
+        """Rank k's inputs[i] lands in destinations[k][i], as one Work. Small inputs travel together
+        as one all-gather of their bytes, concatenated (one round instead of one each); large ones
+        run as their own all-gathers, all at once."""
+        is_small = [self._is_small(_nbytes(tensor) * self.group_size) for tensor in inputs]
+        small = [i for i, flag in enumerate(is_small) if flag]
+        jobs = [(staging.read(tensor), [staging.write(row[i]) for row in destinations])  # (source, targets) each
+                for i, (flag, tensor) in enumerate(zip(is_small, inputs)) if not flag]
+        if small:
+            sources = [staging.read(inputs[i]).view(torch.uint8) for i in small]
+            gathered = list(torch.empty(self.group_size, sum(source.numel() for source in sources), dtype=torch.uint8))
+            torch.cat(sources, out=gathered[self.group_rank])  # a private copy: outputs may overlap inputs
+            landing = [[staging.write(row[i]).view(torch.uint8) for i in small] for row in destinations]
+            jobs.append((gathered[self.group_rank], gathered))
+
+        async def body(*comms: Comm) -> None:
+            await gather_all([self._run_all_gather(comm, source, targets)
+                              for comm, (source, targets) in zip(comms, jobs)])
+            if small:
+                for target, row in zip(gathered, landing):
+                    _copy_parts(target, row)
+
+        dtypes = {tensor.dtype for tensor in inputs}
+        count = sum(t.numel() for t in inputs) if len(dtypes) == 1 else sum(_nbytes(t) for t in inputs)
+        fingerprint = (inputs[0].dtype if len(dtypes) == 1 else torch.uint8, count, -1)
+        return self._collective(op, fingerprint, body, staging, outputs, opts, parts=len(jobs))
+
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        raise UnsupportedError("wanlink all_gather_coalesced is not supported; call all_gather per tensor")
+        """``output_lists[k][i]`` = rank k's ``input_list[i]``, every tensor in one collective."""
+        op = "all_gather_coalesced"
+        if not input_list or len(output_lists) != self.group_size:
+            raise ConfigError(f"wanlink {op}: need at least one input and {self.group_size} output lists, "
+                              f"got {len(input_list)} inputs and {len(output_lists)} lists")
+        _check_tensors(op, input_list, same_dtype=False)
+        for row in output_lists:
+            _check_tensors(op, row, same_dtype=False)
+            if len(row) != len(input_list) or any(output.dtype != source.dtype or output.numel() != source.numel()
+                                                  for output, source in zip(row, input_list)):
+                raise ConfigError(f"wanlink {op}: every output list must hold one tensor of each input's "
+                                  f"dtype and size")
+        return self._all_gather_batch(op, input_list, output_lists, Staging(), [list(row) for row in output_lists],
+                                      opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        raise UnsupportedError("wanlink all_gather_into_tensor_coalesced is not supported; "
-                               "call all_gather_into_tensor per tensor")
+        """Several all_gather_into_tensor calls as one collective (``_coalescing_manager``, FSDP)."""
+        op = "all_gather_into_tensor_coalesced"
+        _check_batch(op, outputs, inputs)
+        _check_tensors(op, [*outputs, *inputs], same_dtype=False)
+        for output, source in zip(outputs, inputs):
+            if output.dtype != source.dtype or output.numel() != source.numel() * self.group_size:
+                raise ConfigError(f"wanlink {op}: each output must have {self.group_size} x its input's "
+                                  f"{source.numel()} elements of {source.dtype}, "
+                                  f"got {output.numel()} of {output.dtype}")
+        staging = Staging()
+        chunks = [split(staging.write(output), self.group_size) for output in outputs]
+        destinations = [[chunk[k] for chunk in chunks] for k in range(self.group_size)]
+        return self._all_gather_batch(op, inputs, destinations, staging, list(outputs), opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         op = "gather"
@@ -529,20 +682,36 @@ class ProcessGroupWanlink(ProcessGroup):
         work.wait()
 
     # -- point to point -----------------------------------------------------------------------
-    def _p2p(self, op: str, tensors, peer: int, tag: int, sending: bool) -> WanlinkWork:
+    def _p2p(self, op: str, tensors, peer: int | None, tag: int, sending: bool) -> WanlinkWork:
+        """Send to or receive from ``peer`` (a group rank; None: receive from whichever rank sends)."""
         tensor = _single(op, tensors)
         _check_tensors(op, [tensor])
-        if not 0 <= peer < self.group_size or peer == self.group_rank:
+        others = [rank for rank in range(self.group_size) if rank != self.group_rank]
+        if peer is None:
+            if not others:
+                raise ConfigError(f"wanlink {op}: a group of one has no other rank to receive from")
+            if tensor.numel() == 0:
+                raise UnsupportedError(f"wanlink {op}: an empty tensor carries no message, so its sender "
+                                       f"cannot be found; pass src=")
+        elif peer not in others:
             raise ConfigError(f"wanlink {op}: peer {peer} is not another rank of a group of {self.group_size}")
         comm = LinkComm(self, tags.p2p_tag(self.slot, tag), current_deadline())
         staging = Staging()
         buffer = staging.read(tensor) if sending else staging.write(tensor)
 
-        async def body() -> None:
-            await (comm.send(peer, buffer) if sending else comm.recv(peer, buffer))
+        async def body() -> int:
+            source = peer
+            if sending:
+                await comm.send(peer, buffer)
+            elif peer is None:
+                source = await comm.recv_any(others, buffer)
+            else:
+                await comm.recv(peer, buffer)
             staging.finish()
+            return source
 
-        return self._launch(op, f"{op} peer {peer} tag {tag}", body(), list(tensors), self._deadline_seconds())
+        label = f"{op} {'any rank' if peer is None else f'peer {peer}'} tag {tag}"
+        return self._launch(op, label, body(), list(tensors), self._deadline_seconds(), reports_source=not sending)
 
     def send(self, tensors, dstRank: int, tag: int):  # noqa: N803 - torch's names
         return self._p2p("send", tensors, dstRank, tag, sending=True)
@@ -551,20 +720,16 @@ class ProcessGroupWanlink(ProcessGroup):
         return self._p2p("recv", tensors, srcRank, tag, sending=False)
 
     def recv_anysource(self, tensors, tag: int):
-        raise UnsupportedError("wanlink recv without a source rank (recv_anysource) is not supported; pass src=")
+        """Receive from whichever rank sends on ``tag`` first; ``work._source_rank()`` names it."""
+        return self._p2p("recv", tensors, None, tag, sending=False)
 
     # torch >= 2.13 names; the underscore names are what older torch calls
     all_gather_single = _allgather_base
     reduce_scatter_single = _reduce_scatter_base
     all_to_all_single = alltoall_base
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        raise UnsupportedError("wanlink all_gather_into_tensor inside a coalescing manager is not supported; "
-                               "call all_gather_into_tensor per tensor")
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        raise UnsupportedError("wanlink reduce_scatter_tensor inside a coalescing manager is not supported; "
-                               "call reduce_scatter_tensor per tensor")
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # -- lifecycle ----------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -15,32 +15,41 @@ _completions = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_
 
 
 class WanlinkWork(Work):
-    """Finishes when its collective's coroutine does; ``get_future()`` yields the output tensors."""
+    """Finishes when its collective's coroutine does; ``get_future()`` yields the output tensors.
 
-    def __init__(self, op: str, outputs: list, submitted: concurrent.futures.Future):
+    A receive's coroutine returns the sender's group rank, which ``_source_rank()`` reports.
+    """
+
+    def __init__(self, op: str, outputs: list, submitted: concurrent.futures.Future, reports_source: bool = False):
         super().__init__()
         self.op = op
         self._outputs = outputs
+        self._reports_source = reports_source
+        self._source = -1
         self._future: torch.futures.Future = torch.futures.Future()
         self._finished = threading.Event()
         self._error: BaseException | None = None
         submitted.add_done_callback(self._on_done)
 
     def _on_done(self, submitted: concurrent.futures.Future) -> None:
-        _completions.submit(self._complete, submitted)
-
-    def _complete(self, submitted: concurrent.futures.Future) -> None:
+        """On the I/O thread: record the outcome and release ``wait()`` at once; the torch future
+        (whose ``then`` callbacks run inline) is completed on the completion thread."""
         try:
-            submitted.result()
+            result = submitted.result()
+            if self._reports_source:
+                self._source = result
         except BaseException as error:  # noqa: BLE001 - delivered to the waiter
             if isinstance(error, concurrent.futures.CancelledError):
                 error = RuntimeError(f"wanlink {self.op} was cancelled")
             self._error = error
-            self._finished.set()
-            self._future.set_exception(error)
-            return
         self._finished.set()
-        self._future.set_result(self._outputs)
+        _completions.submit(self._complete_future)
+
+    def _complete_future(self) -> None:
+        if self._error is not None:
+            self._future.set_exception(self._error)
+        else:
+            self._future.set_result(self._outputs)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until done; re-raise the collective's error; DeadlineExceeded after ``timeout``."""
@@ -69,3 +78,11 @@ class WanlinkWork(Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+    def _source_rank(self) -> int:
+        """The group rank a finished receive came from (-1 until it finished), as torch's recv reads it."""
+        if not self._reports_source:
+            raise RuntimeError(f"wanlink {self.op}: only a recv's Work has a source rank")
+        return self._source
+
+    source_rank = _source_rank

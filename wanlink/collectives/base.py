@@ -6,8 +6,9 @@ from typing import Awaitable, Callable, Protocol, Sequence
 
 import torch
 
-Reducer = Callable[[torch.Tensor, torch.Tensor], None]
-"""``reducer(accumulator, incoming)`` folds ``incoming`` into ``accumulator`` in place."""
+Reducer = Callable[..., None]
+"""``reducer(accumulator, incoming)`` folds ``incoming`` into ``accumulator`` in place;
+``reducer(accumulator, incoming, out)`` writes ``accumulator op incoming`` to ``out`` instead."""
 
 MAX_PIECES = 4096
 """Upper bound on pieces per collective; piece tags of a phase lie in [k*MAX_PIECES, (k+1)*MAX_PIECES)

@@ -1,4 +1,5 @@
-"""Elementwise reductions (in place, ``accumulator op= incoming``) for every supported dtype."""
+"""Elementwise reductions for every supported dtype: ``reducer(acc, x)`` does ``acc op= x`` in place,
+``reducer(acc, x, out)`` writes ``acc op x`` to ``out`` (which may alias ``x``) without touching ``acc``."""
 from __future__ import annotations
 
 import torch
@@ -8,38 +9,38 @@ from wanlink.errors import UnsupportedError
 _INTEGER_DTYPES = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool}
 
 
-def _sum(acc: torch.Tensor, x: torch.Tensor) -> None:
+def _sum(acc: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
     if acc.dtype == torch.bool:
-        acc.logical_or_(x)
+        torch.logical_or(acc, x, out=acc if out is None else out)
     else:
-        acc.add_(x)
+        torch.add(acc, x, out=acc if out is None else out)
 
 
-def _product(acc: torch.Tensor, x: torch.Tensor) -> None:
+def _product(acc: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
     if acc.dtype == torch.bool:
-        acc.logical_and_(x)
+        torch.logical_and(acc, x, out=acc if out is None else out)
     else:
-        acc.mul_(x)
+        torch.mul(acc, x, out=acc if out is None else out)
 
 
-def _min(acc: torch.Tensor, x: torch.Tensor) -> None:
-    torch.minimum(acc, x, out=acc)
+def _min(acc: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    torch.minimum(acc, x, out=acc if out is None else out)
 
 
-def _max(acc: torch.Tensor, x: torch.Tensor) -> None:
-    torch.maximum(acc, x, out=acc)
+def _max(acc: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    torch.maximum(acc, x, out=acc if out is None else out)
 
 
-def _band(acc: torch.Tensor, x: torch.Tensor) -> None:
-    acc.bitwise_and_(x)
+def _band(acc: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    torch.bitwise_and(acc, x, out=acc if out is None else out)
 
 
-def _bor(acc: torch.Tensor, x: torch.Tensor) -> None:
-    acc.bitwise_or_(x)
+def _bor(acc: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    torch.bitwise_or(acc, x, out=acc if out is None else out)
 
 
-def _bxor(acc: torch.Tensor, x: torch.Tensor) -> None:
-    acc.bitwise_xor_(x)
+def _bxor(acc: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    torch.bitwise_xor(acc, x, out=acc if out is None else out)
 
 
 REDUCE_OPS = {

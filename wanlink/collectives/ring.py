@@ -58,12 +58,12 @@ def _pieces(comm: Comm, segments: Sequence[torch.Tensor]) -> tuple[int, list[lis
 
 
 async def _reduce_scatter_piece(comm: Comm, pieces: list[list[torch.Tensor]], p: int, out: torch.Tensor,
-                                reducer: Reducer, tasks: _Tasks) -> asyncio.Task:
-    """Reduce-scatter piece ``p`` into ``out``, reading ``pieces`` only; returns the task sending
-    this member's own contribution (segment rank-1), the only send that reads ``pieces``.
+                                reducer: Reducer, tasks: _Tasks) -> None:
+    """Reduce-scatter piece ``p`` into ``out``, reading ``pieces`` only (``out`` may be one of them).
 
-    Each member folds its block into the partial sum it receives and forwards that buffer.
-    Receives are posted ahead into rotating buffers, in step order (the tag's FIFO order).
+    Each member folds its block into the partial sum it receives and forwards that buffer; the
+    last step writes the sum straight to ``out``. Receives are posted ahead into rotating
+    buffers, in step order (the tag's FIFO order).
     """
     n, me = comm.size, comm.rank
     right, left = (me + 1) % n, (me - 1) % n
@@ -71,7 +71,7 @@ async def _reduce_scatter_piece(comm: Comm, pieces: list[list[torch.Tensor]], p:
     sizes = [pieces[(me - step - 2) % n][p].numel() for step in range(steps)]
     slots = min(ROTATING_BUFFERS, steps)
     buffers = [comm.empty(max(sizes), out.dtype) for _ in range(slots)]
-    first_send = tasks.spawn(comm.send(right, pieces[(me - 1) % n][p], p))
+    tasks.spawn(comm.send(right, pieces[(me - 1) % n][p], p))
     receives: dict[int, asyncio.Future] = {}
 
     def post(step: int) -> asyncio.Task:
@@ -88,15 +88,15 @@ async def _reduce_scatter_piece(comm: Comm, pieces: list[list[torch.Tensor]], p:
         receives[step].set_result(post(step))
     for step in range(steps):
         incoming = buffers[step % slots][: sizes[step]]
+        mine = pieces[(me - step - 2) % n][p]
         await (await receives.pop(step))
-        await comm.compute(reducer, incoming, pieces[(me - step - 2) % n][p])
         if step == steps - 1:
-            out.copy_(incoming)
+            await comm.compute(reducer, incoming, mine, out)
             break
+        await comm.compute(reducer, incoming, mine)
         forwarded = tasks.spawn(comm.send(right, incoming, p))
         if step + slots < steps:
             receives[step + slots] = tasks.spawn(post_after(forwarded, receives.get(step + slots - 1), step + slots))
-    return first_send
 
 
 async def reduce_scatter_into(comm: Comm, blocks: Sequence[torch.Tensor], output: torch.Tensor,
@@ -119,9 +119,10 @@ async def reduce_scatter_into(comm: Comm, blocks: Sequence[torch.Tensor], output
 async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
     """In-place ring all-reduce of a flat tensor: reduce-scatter, then all-gather.
 
-    All-gather receives are posted at the start, straight into their segments (segment rank-1,
-    whose send may still be in flight, goes through a scratch piece). Data for a segment can only
-    arrive once its sum is final, i.e. after this member has read its own contribution.
+    All-gather receives are posted at the start, straight into their segments. That includes
+    segment rank-1, whose first reduce-scatter send reads it: its final sum can only exist once
+    the right neighbour received all of that send, and chunks of it re-sent after a stream died
+    are dropped there as duplicates, so nothing this member still sends is overwritten.
     """
     n, me = comm.size, comm.rank
     if n == 1:
@@ -131,17 +132,12 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
 
     async def run_piece(p: int) -> None:
         async def body(tasks: _Tasks) -> None:
-            scratch = comm.empty(pieces[(me - 1) % n][p].numel(), tensor.dtype)
-            gathered = [tasks.spawn(comm.recv(left, scratch if step == 0 else pieces[(me - step - 1) % n][p],
-                                              ALL_GATHER + p)) for step in range(n - 1)]
-            own_send = await _reduce_scatter_piece(comm, pieces, p, pieces[me][p], reducer, tasks)
-            outgoing = pieces[me][p]
+            gathered = [tasks.spawn(comm.recv(left, pieces[(me - step - 1) % n][p], ALL_GATHER + p))
+                        for step in range(n - 1)]
+            await _reduce_scatter_piece(comm, pieces, p, pieces[me][p], reducer, tasks)
             for step in range(n - 1):
-                tasks.spawn(comm.send(right, outgoing, ALL_GATHER + p))
+                tasks.spawn(comm.send(right, pieces[(me - step) % n][p], ALL_GATHER + p))
                 await gathered[step]
-                outgoing = scratch if step == 0 else pieces[(me - step - 1) % n][p]
-            await own_send
-            pieces[(me - 1) % n][p].copy_(scratch)
         await _Tasks().run(body)
 
     await gather_all([run_piece(p) for p in range(count)])

@@ -25,6 +25,10 @@ PROBE_DISCARD_TAG = DISCARD_TAG  # data sent on this tag is received, acknowledg
 PROBE_META_KEY = "wanlink_probe"  # a link whose meta has it only carries probe traffic; servers keep it to themselves
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_STREAMS = 4
+LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
+"""Default chunk size of a link whose streams all run over loopback (WANLINK_CHUNK_SIZE overrides).
+There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; elsewhere the probe
+picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
 _INT64 = (-(2**63), 2**63 - 1)
 _LINK_FAILED = object()  # queued to wake control readers when the link fails
@@ -90,6 +94,8 @@ class Link:
         self.link_id = link_id
         self.peer_meta = peer_meta or {}
         self.limits = limits
+        if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None and _all_loopback(socks):
+            chunk_size = LOOPBACK_CHUNK_SIZE
         self.chunk_size = chunk_size_from(chunk_size)
         self.timeout = timeout
         self.compress = compress
@@ -106,6 +112,7 @@ class Link:
         self._outgoing: dict[tuple[int, int], tuple[OutgoingTransfer, asyncio.Future]] = {}
         self._next_send_seq: dict[int, int] = {}
         self._recv_waiters: dict[Incoming, asyncio.Future] = {}
+        self._start_waiters: dict[int, list[asyncio.Future]] = {}  # tag -> wait_message_started callers
         self._controls: asyncio.Queue = asyncio.Queue(limits.max_pending_control)
         self._closing = False
         self._wake_start = 0
@@ -198,6 +205,28 @@ class Link:
                 self.reassembler.unpost(entry)
             raise
 
+    def message_started(self, tag: int) -> bool:
+        """Whether the message the next ``recv_into`` on ``tag`` would receive has started arriving."""
+        return self.reassembler.next_started(tag)
+
+    async def wait_message_started(self, tag: int) -> None:
+        """Return once the next message on ``tag`` has started arriving; receives nothing, so another
+        receiver may claim it first (check ``message_started`` again before ``recv_into``)."""
+        _check_tag(tag)
+        while not self.reassembler.next_started(tag):
+            self._raise_if_failed()
+            waiter = self.loop.create_future()
+            waiters = self._start_waiters.setdefault(tag, [])
+            waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if self._start_waiters.get(tag) is waiters:  # still registered: nothing on this tag arrived
+                    waiters.remove(waiter)
+                    if not waiters:
+                        del self._start_waiters[tag]
+                raise
+
     async def send_control(self, message) -> None:
         """Send one small msgpack-able control message (ordered per stream, not across)."""
         self._raise_if_failed()
@@ -219,7 +248,12 @@ class Link:
         """Where a DATA chunk's payload goes; once closing, nowhere (the caller's buffers are released)."""
         if self._closing:
             return self.reassembler.scratch_view(header.raw_len)
-        return self.reassembler.place(header)
+        view = self.reassembler.place(header)
+        if self._start_waiters:
+            for waiter in self._start_waiters.pop(header.tag, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+        return view
 
     def chunk_received(self, header: Header) -> None:
         entry = self.reassembler.chunk_done(header)
@@ -323,6 +357,11 @@ class Link:
                 waiter.set_exception(self._lost(
                     cause, f"recv on tag {entry.tag}: {entry.received} of {len(entry.buffer)} bytes received"))
         self._recv_waiters.clear()
+        for tag, waiters in self._start_waiters.items():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(self._lost(cause, f"waiting for a message on tag {tag}"))
+        self._start_waiters.clear()
         if not self._controls.full():
             self._controls.put_nowait(_LINK_FAILED)
 
@@ -418,6 +457,13 @@ class Link:
         }
 
 
+def _all_loopback(socks: list[socket.socket]) -> bool:
+    try:
+        return all(is_loopback(sock.getpeername()[0]) for sock in socks)
+    except (OSError, IndexError, TypeError):  # unconnected, or not an IP socket
+        return False
+
+
 async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, sock_buffer,
                               timeout: float) -> tuple[int, int | None]:
     """N (and a chunk size) for a path: probed, except towards loopback unless WANLINK_STREAMS=auto."""
@@ -455,7 +501,7 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
         count, probed_chunk = await _probe_stream_count(host, port, key, congestion, sock_buffer, timeout)
         if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None:
             chunk_size = probed_chunk
-    chunk_size = chunk_size_from(chunk_size)
+    chunk_size_from(chunk_size)  # a bad size (or WANLINK_CHUNK_SIZE) fails before connecting; None: see Link
     link_id = os.urandom(16)
     socks: list[socket.socket | None] = [None] * count
 

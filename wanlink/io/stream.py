@@ -14,14 +14,20 @@ from wanlink.proto.frames import (
 from wanlink.sched.chunking import Chunk
 
 MAX_FRAMES_PER_SEND = 256  # bounded by IOV_MAX (1024) with room to spare
+READ_BUDGET_BYTES = 16 * 1024 * 1024
+"""Most bytes one readable callback takes before letting other callbacks run (fairness between streams)."""
 
 
 class Stream:
     """A TCP connection carrying frames for one Link.
 
-    The reader hands every decoded event to the link. The writer sends queued control frames
-    (acks, pings) first, then pulls the next chunk from the link's EDF queue whenever its previous
-    send has drained into the kernel, so a faster stream carries more chunks.
+    The reader is a readiness callback registered once (``loop.add_reader``): each time the socket
+    is readable it receives straight into the decoder's target until the socket is drained or
+    ``READ_BUDGET_BYTES`` are read, and hands every decoded event to the link. (``sock_recv_into``
+    would register and unregister the socket with epoll and wake a task for every single read.)
+    The writer sends queued control frames (acks, pings) first, then pulls the next chunk from the
+    link's EDF queue whenever its previous send has drained into the kernel, so a faster stream
+    carries more chunks.
     """
 
     def __init__(self, link, sock: socket.socket, index: int):
@@ -39,13 +45,15 @@ class Stream:
         self.last_rx = self.last_tx = loop.time()
         self.chunks_sent = self.chunks_received = 0
         self.bytes_sent = self.bytes_received = 0
-        self._tasks: list[asyncio.Task] = []
+        self._writer: asyncio.Task | None = None
+        self._reading = False
+        self._read_done: asyncio.Future = loop.create_future()  # set once the reader stopped
+        self._writable: asyncio.Future | None = None  # awaited by the writer while the socket is full
 
     def start(self) -> None:
-        self._tasks = [
-            self.loop.create_task(self._guard(self._read_loop), name=f"wanlink-read-{self.index}"),
-            self.loop.create_task(self._guard(self._write_loop), name=f"wanlink-write-{self.index}"),
-        ]
+        self.loop.add_reader(self.sock, self._on_readable)
+        self._reading = True
+        self._writer = self.loop.create_task(self._guard(self._write_loop), name=f"wanlink-write-{self.index}")
 
     def queue_control(self, frame: bytes) -> None:
         self.control.append(frame)
@@ -56,36 +64,66 @@ class Stream:
             await run()
         except asyncio.CancelledError:
             raise
-        except (ConnectionError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - see _failed
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        """Socket errors lose this stream (its chunks are re-sent); anything else fails the link."""
+        if isinstance(exc, (ConnectionError, OSError)):
             self.link.stream_failed(self, exc)
-        except Exception as exc:  # noqa: BLE001 - protocol errors and bugs fail the link, never the loop
+        else:  # protocol errors and bugs fail the link, never the loop
             self.link.fail(exc)
 
-    async def _read_loop(self) -> None:
-        loop, sock, decoder, link = self.loop, self.sock, self.decoder, self.link
-        while True:
-            n = await loop.sock_recv_into(sock, decoder.buffer())
-            if n == 0:
-                reason = "peer closed the link" if link.peer_closed else "peer closed the connection"
-                raise PeerLost(f"stream {self.index} to {link.peer}: {reason}")
-            self.last_rx = loop.time()
-            self.bytes_received += n
-            for event in decoder.advance(n):
-                if type(event) is ChunkReceived:
-                    if link.closed:  # draining after our CLOSE: the payload went to scratch
-                        continue
-                    self.chunks_received += 1
-                    header = event.header
-                    link.chunk_received(header)
-                    self.queue_control(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
-                elif type(event) is AckReceived:
-                    link.ack_received(self, event.header)
-                elif type(event) is ControlReceived:
-                    link.control_received(event.payload)
-                elif type(event) is CloseReceived:
-                    link.peer_closed = True
-                elif type(event) is not PingReceived:
-                    raise AssertionError(f"unhandled frame event {event!r}")
+    def _on_readable(self) -> None:
+        """Receive until the socket is drained or the read budget is spent; dispatch every frame."""
+        if not self._reading:  # stopped earlier in this loop iteration
+            return
+        sock, decoder, link = self.sock, self.decoder, self.link
+        budget = READ_BUDGET_BYTES
+        try:
+            while budget > 0:
+                try:
+                    n = sock.recv_into(decoder.buffer())
+                except (BlockingIOError, InterruptedError):
+                    break
+                if n == 0:
+                    reason = "peer closed the link" if link.peer_closed else "peer closed the connection"
+                    raise PeerLost(f"stream {self.index} to {link.peer}: {reason}")
+                budget -= n
+                self.bytes_received += n
+                for event in decoder.advance(n):
+                    self._dispatch(event)
+        except Exception as exc:  # noqa: BLE001 - see _failed
+            self._stop_reading()
+            self._failed(exc)
+        finally:
+            if budget < READ_BUDGET_BYTES:
+                self.last_rx = self.loop.time()
+
+    def _dispatch(self, event) -> None:
+        link = self.link
+        if type(event) is ChunkReceived:
+            if link.closed:  # draining after our CLOSE: the payload went to scratch
+                return
+            self.chunks_received += 1
+            header = event.header
+            link.chunk_received(header)
+            self.queue_control(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
+        elif type(event) is AckReceived:
+            link.ack_received(self, event.header)
+        elif type(event) is ControlReceived:
+            link.control_received(event.payload)
+        elif type(event) is CloseReceived:
+            link.peer_closed = True
+        elif type(event) is not PingReceived:
+            raise AssertionError(f"unhandled frame event {event!r}")
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self.loop.remove_reader(self.sock)
+        if not self._read_done.done():
+            self._read_done.set_result(None)
 
     async def _write_loop(self) -> None:
         link = self.link
@@ -140,11 +178,31 @@ class Stream:
             if sent >= size:
                 sent -= size
                 continue
-            rest = memoryview(part)[sent:]
+            await self._send_rest(memoryview(part)[sent:])
             sent = 0
-            await self.loop.sock_sendall(sock, rest)
-            self.bytes_sent += len(rest)
         self.last_tx = self.loop.time()
+
+    async def _send_rest(self, view: memoryview) -> None:
+        """Send all of ``view`` as the kernel makes room, registered for writability meanwhile."""
+        loop, sock = self.loop, self.sock
+        loop.add_writer(sock, self._on_writable)
+        try:
+            while view:
+                self._writable = loop.create_future()
+                await self._writable
+                try:
+                    n = sock.send(view)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                view = view[n:]
+                self.bytes_sent += n
+        finally:
+            self._writable = None
+            loop.remove_writer(sock)
+
+    def _on_writable(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
 
     def take_unacked(self) -> list[Chunk]:
         """The chunks this stream sent whose acks never came (to re-queue on other streams)."""
@@ -153,14 +211,13 @@ class Stream:
         return chunks
 
     def abort(self) -> None:
-        """Stop both tasks and close the socket (no goodbye) once they have let go of it."""
+        """Stop reading and writing and close the socket (no goodbye) once the writer let go of it."""
         self.alive = False
-        current = asyncio.current_task()
-        stopping = [task for task in self._tasks if task is not current and not task.done()]
-        for task in stopping:
-            task.cancel()
-        if stopping:  # closing the fd under a pending sock_* call would break the loop's bookkeeping
-            asyncio.gather(*stopping, return_exceptions=True).add_done_callback(lambda _: close_quietly(self.sock))
+        self._stop_reading()
+        writer = self._writer
+        if writer is not None and writer is not asyncio.current_task() and not writer.done():
+            writer.cancel()  # closing the fd under a registered writer would break the loop's bookkeeping
+            writer.add_done_callback(lambda _: close_quietly(self.sock))
         else:
             close_quietly(self.sock)
 
@@ -170,12 +227,12 @@ class Stream:
         The writer finishes its frame and sends CLOSE; then our side is shut (FIN) and the reader
         drains until the peer closes too, so neither side resets a connection with unread bytes.
         """
-        if self.alive and self._tasks:
+        if self.alive and self._writer is not None:
             self.closing = True
             self.queue_control(CLOSE_FRAME)
             loop = self.loop
             deadline = loop.time() + grace
-            _done, late = await asyncio.wait({self._tasks[1]}, timeout=grace)
+            _done, late = await asyncio.wait({self._writer}, timeout=grace)
             if late:
                 log.debug("stream %d: CLOSE not delivered within %.1f s", self.index, grace)
             else:
@@ -183,7 +240,8 @@ class Stream:
                     self.sock.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
-                await asyncio.wait({self._tasks[0]}, timeout=max(0.0, deadline - loop.time()))
+                await asyncio.wait({self._read_done}, timeout=max(0.0, deadline - loop.time()))
         self.abort()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
         close_quietly(self.sock)

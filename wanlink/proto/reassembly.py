@@ -18,6 +18,10 @@ from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
 DISCARD_TAG = -1
 SCRATCH_SIZE = 16 * 1024 * 1024
+SPARE_STAGING_BYTES = 64 * 1024 * 1024
+"""Staging buffers kept for reuse once their chunk moved to a posted buffer: chunks that arrive
+before their receive is posted (a peer entering a collective late) then cost a copy, not fresh
+pages that fault and get zeroed."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,6 +71,8 @@ class Reassembler:
         self._scratch = memoryview(bytearray(min(SCRATCH_SIZE, limits.max_frame_payload)))
         self.unexpected_bytes = 0
         self.duplicate_chunks = 0
+        self._spare: dict[int, list[bytearray]] = {}  # size -> staging buffers free for reuse
+        self._spare_bytes = 0
 
     # -- application side -------------------------------------------------------------------
     def post(self, tag: int, buffer: memoryview) -> Incoming:
@@ -90,6 +96,7 @@ class Reassembler:
             if entry.error is None:
                 buffer[offset:offset + len(data)] = data
             self.unexpected_bytes -= len(data)
+            self._recycle(data)
         if entry.error is not None or entry.complete:
             self._finish(entry)
         return entry
@@ -103,6 +110,14 @@ class Reassembler:
         entry.buffer = None
         entry.error = None
         heapq.heappush(self._tags[entry.tag].returned_seqs, entry.seq)
+
+    def next_started(self, tag: int) -> bool:
+        """Whether the message the next ``post`` on ``tag`` would claim has started arriving (claims nothing)."""
+        state = self._tags.get(tag)
+        if state is None:
+            return False
+        seq = state.returned_seqs[0] if state.returned_seqs else state.next_post_seq
+        return (tag, seq) in self._incoming
 
     # -- wire side --------------------------------------------------------------------------
     def place(self, header: Header) -> memoryview:
@@ -177,9 +192,23 @@ class Reassembler:
         size = len(data) if data is not None else size
         self._limits.check("max_unexpected_bytes", self.unexpected_bytes + size,
                            f"chunk of tag={entry.tag} seq={entry.seq} held before a matching recv")
-        staged = entry.staged[offset] = bytearray(data) if data is not None else bytearray(size)
+        if data is not None:
+            staged = bytearray(data)
+        else:
+            spare = self._spare.get(size)
+            if spare:
+                staged = spare.pop()
+                self._spare_bytes -= size
+            else:
+                staged = bytearray(size)
+        entry.staged[offset] = staged
         self.unexpected_bytes += size
         return staged
+
+    def _recycle(self, staged: bytearray) -> None:
+        if self._spare_bytes + len(staged) <= SPARE_STAGING_BYTES:
+            self._spare.setdefault(len(staged), []).append(staged)
+            self._spare_bytes += len(staged)
 
     def _settle(self, entry: Incoming, offset: int) -> None:
         """A chunk finished landing: move it if the message was claimed or given back meanwhile."""
@@ -191,6 +220,7 @@ class Reassembler:
             if entry.error is None:
                 entry.buffer[offset:offset + len(data)] = data
             self.unexpected_bytes -= len(data)
+            self._recycle(data)
         elif not was_staged and entry.buffer is None:  # given back while this chunk was arriving
             self._stage(entry, offset, view)
 
