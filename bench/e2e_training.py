@@ -1,11 +1,14 @@
 """End-to-end training across an emulated WAN: gloo DDP vs wanlink dense, block-sparse and stale-sparse.
 
 Two ranks, one in each namespace of a ``bench.wanem`` path (40 ms RTT; 500 and 100 Mbit/s by
-default), train a ~25M-parameter MLP on a synthetic teacher task with the same seeds in every
-variant. Reports the median iteration time (first iterations excluded: bucket rebuild, slow
-start), the speed-up over gloo, and the loss against wall-clock time. Needs root.
+default), train a ~25M-parameter MLP on a synthetic teacher task (a fixed set of 32 batches per
+rank, cycled) with the same seeds in every variant. Reports the median iteration time and its
+phases (first iterations excluded: bucket rebuild, slow start), the speed-up over gloo, and the
+loss against wall-clock time. Fast variants run more iterations so the loss curve means something.
+Both namespaces run with ``net.ipv4.tcp_slow_start_after_idle=0`` (every variant alike; see
+docs/sparse.md). Needs root.
 
-    python3 dev.py bench bench/e2e_training.py [--rtt-ms 40] [--rates 500 100] [--iterations 10]
+    python3 dev.py bench bench/e2e_training.py [--rtt-ms 40] [--rates 500 100] [--iterations N]
 """
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,15 +25,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+_NO_HOOK = {"density": None, "staleness": 0, "sparse_optimizer": False}
+_SPARSE = {"backend": "wanlink", "density": 0.01, "iterations": 150}
 VARIANTS = {
-    "compute only": {"backend": None, "density": None, "staleness": 0},  # one rank, no communication: the floor
-    "gloo dense": {"backend": "gloo", "density": None, "staleness": 0},
-    "wanlink dense": {"backend": "wanlink", "density": None, "staleness": 0},
-    "wanlink sparse 1%": {"backend": "wanlink", "density": 0.01, "staleness": 0},
-    "wanlink sparse 1% stale-1": {"backend": "wanlink", "density": 0.01, "staleness": 1},
+    # no communication: one rank alone (the floor), and both ranks at once sharing this machine's cores
+    "compute only": {"backend": None, "ranks": 1, "iterations": 150, **_NO_HOOK},
+    "compute only, 2 ranks": {"backend": None, "ranks": 2, "iterations": 150, **_NO_HOOK},
+    "gloo dense": {"backend": "gloo", "ranks": 2, "iterations": 10, **_NO_HOOK},
+    "wanlink dense": {"backend": "wanlink", "ranks": 2, "iterations": 12, **_NO_HOOK},
+    "wanlink sparse 1%": {**_SPARSE, "ranks": 2, "staleness": 0, "sparse_optimizer": False},
+    "wanlink sparse 1% stale-1": {**_SPARSE, "ranks": 2, "staleness": 1, "sparse_optimizer": False},
+    "wanlink sparse 1% stale-1 SparseSGD": {**_SPARSE, "ranks": 2, "staleness": 1, "sparse_optimizer": True},
 }
 SKIP_FIRST = 2  # iterations excluded from the median: DDP bucket rebuild and TCP slow start
 WIDTH, DEPTH_IN, CLASSES, BATCH = 4096, 1024, 1024, 32
+DATA_BATCHES = 32  # per rank, cycled: a finite training set the model can fit, so the loss visibly falls
+PHASES = ("forward_s", "backward_s", "hook_s", "wait_s", "step_s")
 
 
 def make_model():
@@ -39,6 +48,18 @@ def make_model():
 
     return torch.nn.Sequential(torch.nn.Linear(DEPTH_IN, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
                                torch.nn.ReLU(), torch.nn.Linear(WIDTH, CLASSES))
+
+
+def timed(hook, clock: dict):
+    """``hook`` wrapped to add its time to clock["hook_s"] and note when a call last returned."""
+    def timed_hook(state, bucket):
+        start = time.perf_counter()
+        future = hook(state, bucket)
+        clock["returned"] = time.perf_counter()
+        clock["hook_s"] += clock["returned"] - start
+        return future
+
+    return timed_hook
 
 
 def worker(args) -> None:
@@ -49,6 +70,7 @@ def worker(args) -> None:
 
     import wanlink  # noqa: F401 - registers the backend
     from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
+    from wanlink.optim import SparseSGD
 
     variant = VARIANTS[args.variant]
     torch.set_num_threads(1)
@@ -63,28 +85,42 @@ def worker(args) -> None:
     teacher = torch.nn.Linear(DEPTH_IN, CLASSES)
     ddp = DDP(model) if distributed else model
     state = None
+    clock = {"hook_s": 0.0, "returned": None}
     if variant["density"] is not None:
-        state = BlockSparseState(density=variant["density"], staleness=variant["staleness"])
-        ddp.register_comm_hook(state, block_sparse_hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        state = BlockSparseState(density=variant["density"], staleness=variant["staleness"],
+                                 sparse_optimizer=variant["sparse_optimizer"])
+        ddp.register_comm_hook(state, timed(block_sparse_hook, clock))
+    optimizer = (SparseSGD if variant["sparse_optimizer"] else torch.optim.SGD)(ddp.parameters(), lr=0.01,
+                                                                                momentum=0.9)
     data = torch.Generator().manual_seed(args.rank)
+    inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
+    with torch.no_grad():
+        labels = [teacher(x).argmax(1) for x in inputs]
     records = []
     if distributed:
         dist.barrier()
     start = time.perf_counter()
     for iteration in range(args.iterations):
         begin = time.perf_counter()
-        x = torch.randn(BATCH, DEPTH_IN, generator=data)
-        with torch.no_grad():
-            y = teacher(x).argmax(1)
+        clock.update(hook_s=0.0, returned=None)
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        output = ddp(inputs[iteration % DATA_BATCHES])
+        loss = torch.nn.functional.cross_entropy(output, labels[iteration % DATA_BATCHES])
+        forward_end = time.perf_counter()
         loss.backward()
-        optimizer.step()
+        backward_end = time.perf_counter()
+        if variant["sparse_optimizer"]:
+            optimizer.step(sparse_grads=state.sparse_grads())
+        else:
+            optimizer.step()
         end = time.perf_counter()
-        records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item()})
+        record = {"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
+                  "forward_s": forward_end - begin, "backward_s": backward_end - forward_end, "step_s": end - backward_end}
+        if state is not None:  # backward = compute + hooks (sparsify, launch) + waiting for the exchanges
+            record.update(hook_s=clock["hook_s"], wait_s=backward_end - clock["returned"])
+        records.append(record)
     if state is not None and state.flush():
-        optimizer.step()
+        optimizer.step(**({"sparse_grads": state.sparse_grads()} if variant["sparse_optimizer"] else {}))
     if distributed:
         dist.barrier()
     params = sum(p.numel() for p in model.parameters())
@@ -102,25 +138,71 @@ def run_variant(path, name: str, iterations: int, port: int) -> dict:
                   "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--out", out]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env)]
-        if VARIANTS[name]["backend"] is not None:
+        if VARIANTS[name]["ranks"] == 2:
             ranks.append(path.popen_b([*common, "--rank", "1", "--address", path.addr_b], env=env))
         codes = [rank.wait(timeout=1800) for rank in ranks]
         if any(codes):
             raise RuntimeError(f"{name}: ranks exited with {codes}")
         result = json.loads(Path(out).read_text())
-    steady = [r["seconds"] for r in result["records"][SKIP_FIRST:]]
-    return {"variant": name, **VARIANTS[name], "median_iteration_s": statistics.median(steady), **result}
+    steady = result["records"][SKIP_FIRST:]
+    medians = {f"median_{phase}": statistics.median(r[phase] for r in steady)
+               for phase in PHASES if phase in steady[0]}
+    return {"variant": name, **VARIANTS[name], "iterations": iterations,
+            "median_iteration_s": statistics.median(r["seconds"] for r in steady), **medians,
+            "final_loss": statistics.mean(r["loss"] for r in result["records"][-DATA_BATCHES:]), **result}
+
+
+def set_slow_start_after_idle(path, value: int) -> None:
+    """Set net.ipv4.tcp_slow_start_after_idle (per network namespace) on both ends of the path."""
+    for run in (path.run_a, path.run_b):
+        run(["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={value}"], check=True)
+
+
+def plot(rows: list[dict]) -> Path:
+    from bench.reporting import new_figure, save_figure
+
+    fig, (ax_time, ax_phases, ax_loss) = new_figure(1, 3, figsize=(18, 5.5))
+    labels = [f"{r['variant']}\n{r['rate_mbit']:g} Mbit/s" for r in rows]
+    ax_time.barh(labels, [r["median_iteration_s"] for r in rows])
+    ax_time.set_xscale("log")
+    ax_time.set_xlabel("median seconds per iteration (log)")
+    ax_time.tick_params(axis="y", labelsize=7)
+    fast = [r for r in rows if r["median_iteration_s"] < 1.0]
+    left = [0.0] * len(fast)
+    for phase, label in (("forward_s", "forward"), ("backward_compute_s", "backward compute"),
+                         ("hook_s", "hook: sparsify + launch"), ("wait_s", "wait for exchange + DDP copy"),
+                         ("step_s", "optimizer step")):
+        widths = [r.get(f"median_{phase}", 0.0) for r in fast]
+        ax_phases.barh([f"{r['variant']}\n{r['rate_mbit']:g} Mbit/s" for r in fast], widths, left=left, label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    ax_phases.set_xlabel("median seconds per phase (backward compute = backward - hook - wait)")
+    ax_phases.tick_params(axis="y", labelsize=7)
+    ax_phases.legend(fontsize=7)
+    colors = {name: f"C{i}" for i, name in enumerate(VARIANTS)}
+    styles = {rate: style for rate, style in zip(dict.fromkeys(r["rate_mbit"] for r in rows), ("-", "--", ":", "-."))}
+    for r in rows:
+        ax_loss.plot([p["wall"] for p in r["records"]], [p["loss"] for p in r["records"]], linewidth=0.8,
+                     color=colors[r["variant"]], linestyle=styles[r["rate_mbit"]],
+                     label=f"{r['variant']} @ {r['rate_mbit']:g} Mbit/s")
+    ax_loss.set_xscale("log")
+    ax_loss.set_xlabel("wall-clock seconds (log)")
+    ax_loss.set_ylabel("training loss (rank 0's batch)")
+    ax_loss.legend(fontsize=6)
+    return save_figure(fig, "e2e_training")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import new_figure, print_table, save_figure, save_json
+    from bench.reporting import print_table, save_json
     from bench.wanem.netns import WanPath
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtt-ms", type=float, default=40)
     parser.add_argument("--rates", type=float, nargs="+", default=[500, 100])
-    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="iterations of every variant (default: each variant's own count)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--slow-start-after-idle", type=int, choices=(0, 1), default=0,
+                        help="net.ipv4.tcp_slow_start_after_idle in both namespaces (the kernel default is 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--variant", "--master", "--out", "--address"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -130,12 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.iterations is not None and args.iterations <= SKIP_FIRST:
+        parser.error(f"--iterations must be more than the {SKIP_FIRST} skipped ones")
     rows = []
     for rate in args.rates:
         with WanPath(rtt_ms=args.rtt_ms, rate_mbit=rate) as path:
+            set_slow_start_after_idle(path, args.slow_start_after_idle)
             for index, name in enumerate(args.variants):
-                row = run_variant(path, name, args.iterations, 29600 + index)
-                row.update(rate_mbit=rate, rtt_ms=args.rtt_ms)
+                row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index)
+                row.update(rate_mbit=rate, rtt_ms=args.rtt_ms, slow_start_after_idle=args.slow_start_after_idle)
+                if "median_hook_s" in row:
+                    row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
+                                                        - row["median_wait_s"])
                 rows.append(row)
                 print(f"{rate:g} Mbit/s {name}: {row['median_iteration_s']:.3f} s/iteration", flush=True)
     for row in rows:
@@ -143,25 +231,17 @@ def main(argv: list[str] | None = None) -> int:
         row["speedup_vs_gloo"] = gloo["median_iteration_s"] / row["median_iteration_s"] if gloo else float("nan")
         # a dense all-reduce of 2 ranks moves every gradient byte once each way: the bandwidth floor
         row["dense_floor_s"] = 8 * 4 * row["params"] / (row["rate_mbit"] * 1e6)
-    print(f"\n{rows[0]['params'] / 1e6:.1f}M parameters, batch {BATCH}, 2 ranks, {args.rtt_ms:g} ms RTT; "
-          f"load {os.getloadavg()[0]:.2f}")
-    print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""),
+    print(f"\n{rows[0]['params'] / 1e6:.1f}M parameters, batch {BATCH}, 2 ranks, {args.rtt_ms:g} ms RTT, "
+          f"tcp_slow_start_after_idle={args.slow_start_after_idle}; load {os.getloadavg()[0]:.2f}; "
+          "phases are medians (hook and wait: sparse variants only)")
+    print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("iterations", "iters", "d"),
                        ("median_iteration_s", "s/iteration", ".3f"), ("speedup_vs_gloo", "x gloo", ".1f"),
+                       ("median_forward_s", "forward", ".3f"), ("median_backward_s", "backward", ".3f"),
+                       ("median_hook_s", "hook", ".3f"), ("median_wait_s", "wait", ".3f"),
+                       ("median_step_s", "step", ".3f"), ("final_loss", "final loss", ".2f"),
                        ("dense_floor_s", "dense bw floor s", ".2f")])
     save_json("e2e_training", {"rows": rows, "skip_first": SKIP_FIRST})
-    fig, (ax_time, ax_loss) = new_figure(1, 2, figsize=(12, 4.5))
-    labels = [f"{r['variant']}\n{r['rate_mbit']:g} Mbit/s" for r in rows]
-    ax_time.barh(labels, [r["median_iteration_s"] for r in rows])
-    ax_time.set_xscale("log")
-    ax_time.set_xlabel("median seconds per iteration (log)")
-    for r in rows:
-        ax_loss.plot([p["wall"] for p in r["records"]], [p["loss"] for p in r["records"]],
-                     label=f"{r['variant']} @ {r['rate_mbit']:g} Mbit/s", marker=".")
-    ax_loss.set_xscale("log")
-    ax_loss.set_xlabel("wall-clock seconds (log)")
-    ax_loss.set_ylabel("training loss")
-    ax_loss.legend(fontsize=7)
-    print("wrote", save_figure(fig, "e2e_training"))
+    print("wrote", plot(rows))
     return 0
 
 

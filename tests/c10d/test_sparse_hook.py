@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from c10d_worlds import run_world
 from wanlink.errors import ConfigError
 
-STEPS = 4
+STEPS = 6  # enough for the stale result buffers (two per bucket) to be reused after the bucket rebuild
 
 
 def _model():
@@ -23,7 +23,7 @@ def _batches(rank):
     return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)]
 
 
-def _train(rank, size, hook_options, lr=0.1, optimizer_name="sgd"):
+def _train(rank, size, hook_options, lr=0.1, optimizer_name="sgd", results=None):
     """Trains STEPS steps; returns final flat params and the gradient seen by the optimizer per step."""
     from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
     from wanlink.optim import SparseSGD
@@ -33,7 +33,15 @@ def _train(rank, size, hook_options, lr=0.1, optimizer_name="sgd"):
     state = None
     if hook_options is not None:
         state = BlockSparseState(**hook_options)
-        ddp.register_comm_hook(state, block_sparse_hook)
+
+        def hook(state, bucket):
+            step = state.iteration
+            future = block_sparse_hook(state, bucket)
+            if results is not None:
+                results.append((step, bucket.index(), future))
+            return future
+
+        ddp.register_comm_hook(state, hook)
     optimizer = (SparseSGD if optimizer_name == "sparse" else torch.optim.SGD)(ddp.parameters(), lr=lr)
     grads = []
     for x, y in _batches(rank):
@@ -99,6 +107,36 @@ def test_sparse_optimizer_path_matches_densified_sgd():
     for dense_params, sparse_params, largest_dense_grad in run_world(2, _sparse_optimizer_matches_dense_sgd):
         assert largest_dense_grad == 0.0  # the hook left the dense gradients at zero
         torch.testing.assert_close(sparse_params, dense_params, rtol=1e-5, atol=1e-6)
+
+
+def _stale_sparse_optimizer_vs_dense(rank, size):
+    options = {"density": 0.1, "staleness": 1, "warmup_steps": 2}
+    dense_params, _, _ = _train(rank, size, options)
+    sparse_params, grads, flushed = _train(rank, size, {**options, "sparse_optimizer": True}, optimizer_name="sparse")
+    return dense_params, sparse_params, max(float(g.abs().max()) for g in grads[2:]), flushed
+
+
+def test_stale_sparse_optimizer_applies_the_previous_step_like_the_dense_path():
+    # warm-up steps are dense (sparse_grads() is None: SparseSGD steps on .grad), then each step
+    # applies the previous step's blocks, exactly as the densified stale path does with SGD
+    for dense_params, sparse_params, largest_sparse_step_grad, flushed in run_world(2, _stale_sparse_optimizer_vs_dense):
+        assert flushed and largest_sparse_step_grad == 0.0
+        torch.testing.assert_close(sparse_params, dense_params, rtol=1e-5, atol=1e-6)
+
+
+def _stale_result_storages(rank, size):
+    results = []
+    _train(rank, size, {"density": 0.1, "staleness": 1}, results=results)
+    storages = {}
+    for step, index, future in results:
+        if step >= 2:  # from the second step of the rebuilt buckets on, each returns the previous one's result
+            storages.setdefault(index, set()).add(future.wait().untyped_storage().data_ptr())
+    return storages
+
+
+def test_stale_results_reuse_two_buffers_per_bucket():
+    for storages in run_world(2, _stale_result_storages):
+        assert storages and all(len(pointers) == 2 for pointers in storages.values())
 
 
 def _checkpoint_rules(rank, size):

@@ -16,6 +16,8 @@ step and before checkpoints. With ``sparse_optimizer=True`` the hook leaves the 
 zero and keeps the aggregated blocks for ``SparseSGD.step(sparse_grads=state.sparse_grads())``.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
+import itertools
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ class _BucketCodec:
         self.frame_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.message_size = int(self.frame_offsets[-1])
         self.element_offsets = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+        self._result_buffers: list[_ResultBuffer] = []
 
     def encode(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         message = torch.empty(self.message_size, dtype=torch.uint8)
@@ -63,14 +66,38 @@ class _BucketCodec:
             per_gradient.append(rank_frames)
         return per_gradient
 
-    def average_into(self, gathered: torch.Tensor, world: int, out: torch.Tensor) -> torch.Tensor:
-        out.zero_()
+    def average_into(self, gathered: torch.Tensor, world: int, out: torch.Tensor,
+                     nonzero: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """``out`` = every rank's blocks summed and divided by ``world``, zero elsewhere.
+
+        ``nonzero``: the only blocks of ``out`` that may hold values (what the previous call on
+        ``out`` returned), cleared block by block; None zeroes all of ``out``. Returns the blocks
+        written, per gradient.
+        """
+        if nonzero is None:
+            out.zero_()
         flat = out.numpy()
+        written = []
         for i, rank_frames in enumerate(self.frames(gathered, world)):
-            start, end = self.element_offsets[i], self.element_offsets[i + 1]
-            scatter_add_(flat[start:end], [f.indices for f in rank_frames], [f.values for f in rank_frames],
-                         block=BLOCK)
-        return out.div_(world)
+            segment = flat[self.element_offsets[i]:self.element_offsets[i + 1]]
+            if nonzero is not None:
+                rows, inside, tail = _blocks_of(segment, nonzero[i])
+                rows[inside] = 0
+                tail[:] = 0
+            scatter_add_(segment, [f.indices for f in rank_frames], [f.values for f in rank_frames], block=BLOCK)
+            blocks = np.unique(np.concatenate([f.indices for f in rank_frames]))
+            rows, inside, tail = _blocks_of(segment, blocks)
+            rows[inside] /= world
+            tail /= world
+            written.append(blocks)
+        return written
+
+    def next_result(self) -> "_ResultBuffer":
+        """Staleness 1: the next of the bucket's two result buffers (step t's is read while t+1's is written)."""
+        if not self._result_buffers:
+            self._result_buffers = [_ResultBuffer(int(self.element_offsets[-1])) for _ in range(2)]
+        self._result_buffers.reverse()
+        return self._result_buffers[0]
 
     def average_sparse(self, gathered: torch.Tensor, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per gradient, the union of the ranks' blocks with their values summed and averaged."""
@@ -84,6 +111,28 @@ class _BucketCodec:
             summed /= world
             results.append((torch.from_numpy(unique.astype(np.int32)), torch.from_numpy(summed)))
         return results
+
+
+class _ResultBuffer:
+    """A bucket-sized dense result that is zero outside ``nonzero``, so refilling it clears only those blocks."""
+
+    def __init__(self, numel: int):
+        self.tensor = torch.zeros(numel, dtype=torch.float32)
+        self.nonzero: list[np.ndarray] | None = None
+
+    def fill(self, codec: _BucketCodec, gathered: torch.Tensor, world: int) -> torch.Tensor:
+        self.nonzero = codec.average_into(gathered, world, self.tensor, self.nonzero)
+        return self.tensor
+
+
+def _blocks_of(segment: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For sorted block ids of a flat segment: (its whole blocks as rows, the ids among them, the
+    partial last block's elements if it is listed, else an empty slice)."""
+    whole = segment.shape[0] // BLOCK
+    rows = segment[:whole * BLOCK].reshape(whole, BLOCK)
+    listed_tail = blocks.shape[0] > 0 and blocks[-1] >= whole
+    tail = segment[whole * BLOCK:] if listed_tail else segment[:0]
+    return rows, (blocks[:-1] if listed_tail else blocks), tail
 
 
 class BlockSparseState:
@@ -108,7 +157,9 @@ class BlockSparseState:
         # staleness: per step, where each parameter's aggregate will be: (future of its bucket, offset, numel).
         # Keyed by parameter, not bucket, because DDP rebuilds its buckets after the first step.
         self._results: dict[int, dict[torch.Tensor, tuple]] = {}
-        self._sparse_grads: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        # sparse optimizer: per step, parameter -> (block ids, averaged values), filled as exchanges finish
+        self._sparse_steps: dict[int, dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._step_to_apply: int | None = None
 
     # -- used by the hook ------------------------------------------------------------------------
     def codec_for(self, index: int, gradients: list[torch.Tensor]) -> _BucketCodec:
@@ -122,12 +173,29 @@ class BlockSparseState:
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)
 
+    def record_sparse(self, step: int, params: list, results: list) -> None:
+        """Called as an exchange finishes (completion thread): its averaged blocks per parameter."""
+        self._sparse_steps.setdefault(step, {}).update(zip(params, results))
+
+    def apply_step(self, step: int | None) -> None:
+        """The step whose aggregate the next optimizer step applies, None for a dense warm-up step."""
+        self._step_to_apply = step
+        for older in [s for s in list(self._sparse_steps) if step is None or s < step]:
+            del self._sparse_steps[older]
+
     # -- public ------------------------------------------------------------------------------------
-    def sparse_grads(self) -> dict:
-        """Parameter -> (block indices, values) of the last aggregated step, for SparseSGD.step()."""
+    def sparse_grads(self) -> dict | None:
+        """Parameter -> (block indices, averaged values) to apply now: ``SparseSGD.step(sparse_grads=...)``.
+
+        That is the step just computed, or with staleness 1 the one before it (empty on the first
+        sparse step); after ``flush()``, the flushed step. None after a dense warm-up step: the
+        averaged gradients are in ``.grad`` and ``SparseSGD.step(sparse_grads=None)`` applies them.
+        """
         if not self.sparse_optimizer:
             raise ConfigError("sparse_grads() needs BlockSparseState(sparse_optimizer=True)")
-        return dict(self._sparse_grads)
+        if self._step_to_apply is None:
+            return None
+        return dict(self._sparse_steps.get(self._step_to_apply, {}))
 
     def flush(self) -> bool:
         """Wait for the step still in flight (staleness 1) and put its result where the optimizer reads it.
@@ -138,8 +206,11 @@ class BlockSparseState:
         """
         if not self._results:
             return False
-        latest = self._results.pop(max(self._results))
+        step = max(self._results)
+        latest = self._results.pop(step)
         self._results.clear()
+        if self.sparse_optimizer:
+            self.apply_step(step)
         for param, (future, offset, numel) in latest.items():
             aggregated = future.wait()
             if not self.sparse_optimizer:
@@ -187,6 +258,7 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     if bucket.is_last():
         state.iteration += 1
     if iteration < state.warmup_steps:
+        state.apply_step(None)
         return _dense_average(state, buffer)
 
     gradients = bucket.gradients()
@@ -201,26 +273,30 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
 
     if state.sparse_optimizer:
         def finish(_future):
-            for param, result in zip(params, codec.average_sparse(gathered, world)):
-                state._sparse_grads[param] = result
-            return torch.zeros_like(buffer)
+            state.record_sparse(iteration, params, codec.average_sparse(gathered, world))
     elif state.staleness:
-        target = torch.empty_like(buffer)  # the bucket buffer belongs to the next step by then
+        result = codec.next_result()  # the bucket buffer belongs to the next step by then
 
         def finish(_future):
-            return codec.average_into(gathered, world, target)
+            return result.fill(codec, gathered, world)
     else:
         def finish(_future):
-            return codec.average_into(gathered, world, buffer)
+            codec.average_into(gathered, world, buffer)
+            return buffer
 
     exchange = work.get_future().then(finish)
+    if state.sparse_optimizer:
+        state.apply_step(iteration - state.staleness)
+        buffer.zero_()  # the sparsifier has taken the gradients; the dense ones stay zero
+        ready = _futures_of(_previous_step_sources(state, iteration, params, exchange)) if state.staleness else [exchange]
+        return torch.futures.collect_all(ready).then(lambda _done: buffer)
     if not state.staleness:
         return exchange
     return _previous_step_result(state, iteration, params, exchange, buffer)
 
 
-def _previous_step_result(state: BlockSparseState, iteration: int, params: list, exchange, buffer: torch.Tensor):
-    """Staleness 1: record where this step's aggregate will be; return last step's for these parameters."""
+def _previous_step_sources(state: BlockSparseState, iteration: int, params: list, exchange) -> list:
+    """Staleness 1: record where this step's aggregate will be; per parameter, where last step's is (or None)."""
     current = state._results.setdefault(iteration, {})
     offset = 0
     for param in params:
@@ -229,19 +305,34 @@ def _previous_step_result(state: BlockSparseState, iteration: int, params: list,
     for older in [step for step in state._results if step < iteration - 1]:
         del state._results[older]
     previous = state._results.get(iteration - 1, {})
-    sources = [previous.get(param) for param in params]
-    futures = list({id(src[0]): src[0] for src in sources if src is not None}.values())
-    out = torch.zeros_like(buffer)
+    return [previous.get(param) for param in params]
+
+
+def _futures_of(sources: list) -> list:
+    return list({id(src[0]): src[0] for src in sources if src is not None}.values())
+
+
+def _previous_step_result(state: BlockSparseState, iteration: int, params: list, exchange, buffer: torch.Tensor):
+    """Staleness 1, dense result: last step's aggregate for this bucket's parameters.
+
+    When last step's bucket held the same parameters in the same order (always, once DDP has
+    rebuilt its buckets), that is its exchange's result as is; otherwise it is assembled.
+    """
+    sources = _previous_step_sources(state, iteration, params, exchange)
+    futures = _futures_of(sources)
     if not futures:  # first sparse step: nothing aggregated yet, this step applies no update
-        return _completed(out)
+        return _completed(buffer.zero_())
+    offsets = list(itertools.accumulate((param.numel() for param in params), initial=0))[:-1]
+    if len(futures) == 1 and all(src is not None and src[1] == offset for src, offset in zip(sources, offsets)):
+        numel = buffer.numel()
+        return futures[0].then(lambda done: done.value()[:numel])
 
     def assemble(_done):
-        position = 0
-        for param, source in zip(params, sources):
+        buffer.zero_()
+        for offset, param, source in zip(offsets, params, sources):
             if source is not None:
                 future, start, numel = source
-                out[position:position + numel] = future.value()[start:start + numel]
-            position += param.numel()
-        return out
+                buffer[offset:offset + numel] = future.value()[start:start + numel]
+        return buffer
 
     return torch.futures.collect_all(futures).then(assemble)
