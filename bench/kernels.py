@@ -1,6 +1,8 @@
 """Block-sparse kernels against the torch baselines, all measured in one run.
 
-Per gradient size and density: the memory-scan floor (torch.sum of the gradient); BlockSparsifier
+Per gradient size and density: the memory-scan floor (torch.sum of the gradient) and the
+error-feedback floor (torch ``residual.add_(g)``: the two reads and one write that any sparsifier
+with error feedback must make, which no kernel can beat); BlockSparsifier
 with error feedback against torch.topk(|g|) and a torch threshold + nonzero (same number of values
 kept); decode + scatter_add_ of one peer's frame against torch index_add_ (per element, and per
 16-float row); a SparseSGD step on the kept blocks against a dense torch.optim.SGD step (both with
@@ -95,7 +97,7 @@ def measure(numel: int, density: float, repeats: int, baseline_repeats: int) -> 
 
     # Every compress() gets a fresh gradient, as successive training steps would (drawn untimed).
     sparsifier = BlockSparsifier(numel, density)
-    fresh = torch.empty(numel)
+    fresh, residual = torch.empty(numel), torch.zeros(numel)
     for _ in range(10):  # let the AIMD threshold settle
         torch.randn(numel, generator=generator, out=fresh)
         sparsifier.compress(fresh)
@@ -136,6 +138,8 @@ def measure(numel: int, density: float, repeats: int, baseline_repeats: int) -> 
         "scan_s": Operation(lambda: torch.sum(grad)),
         "sparsify_ef_s": Operation(lambda: sparsifier.compress(fresh),
                                    lambda: torch.randn(numel, generator=generator, out=fresh)),
+        "ef_floor_s": Operation(lambda: residual.add_(fresh),
+                                lambda: torch.randn(numel, generator=generator, out=fresh)),
         "topk_s": Operation(lambda: torch.topk(grad.abs(), kept_values, sorted=False)),
         "threshold_nonzero_s": Operation(threshold_nonzero),
         "decode_scatter_s": Operation(decode_scatter),
@@ -166,6 +170,8 @@ def ratios(times: dict) -> dict:
         "sparsify_vs_topk": times["topk_s"] / times["sparsify_ef_s"],
         "sparsify_vs_threshold": times["threshold_nonzero_s"] / times["sparsify_ef_s"],
         "sparsify_over_scan": times["sparsify_ef_s"] / times["scan_s"],
+        "ef_floor_over_scan": times["ef_floor_s"] / times["scan_s"],
+        "sparsify_over_ef_floor": times["sparsify_ef_s"] / times["ef_floor_s"],
         "scatter_vs_index_add": times["index_add_elements_s"] / times["decode_scatter_s"],
         "sgd_vs_dense": times["dense_sgd_s"] / times["sparse_sgd_s"],
     }
@@ -194,7 +200,8 @@ def plot(rows: list[dict]) -> Path:
     fig, axes = new_figure(1, 3, figsize=(15, 4.5))
     labels = [f"{r['numel'] / 1e6:g}M\n{r['density'] * 100:g}%" for r in rows]
     panels = [
-        ("sparsify (EF)", [("memory scan", "scan_s"), ("wanlink sparsify+EF", "sparsify_ef_s"),
+        ("sparsify (EF)", [("memory scan", "scan_s"), ("EF floor: residual.add_(g)", "ef_floor_s"),
+                           ("wanlink sparsify+EF", "sparsify_ef_s"),
                            ("torch threshold+nonzero", "threshold_nonzero_s"), ("torch.topk", "topk_s")]),
         ("decode + scatter-add, one peer", [("wanlink decode+scatter_add_", "decode_scatter_s"),
                                             ("index_add_ (rows)", "index_add_rows_s"),
@@ -244,7 +251,8 @@ def main(argv=None) -> int:
               **{key: r[key] * 1e3 for key in r if key.endswith("_s")}} for r in rows]
     print("\ntimes in ms (median)")
     print_table(table, [("size", "size", ""), ("pct", "density %", ".2g"), ("k_blocks", "k blocks", "d"),
-                        ("scan_s", "mem scan", ".2f"), ("sparsify_ef_s", "sparsify+EF", ".2f"),
+                        ("scan_s", "mem scan", ".2f"), ("ef_floor_s", "EF floor", ".2f"),
+                        ("sparsify_ef_s", "sparsify+EF", ".2f"),
                         ("topk_s", "torch.topk", ".1f"), ("threshold_nonzero_s", "thr+nonzero", ".1f"),
                         ("decode_scatter_s", "dec+scatter", ".3f"), ("index_add_elements_s", "idx_add el", ".3f"),
                         ("index_add_rows_s", "idx_add row", ".3f"), ("sparse_sgd_s", "SparseSGD", ".3f"),
@@ -252,6 +260,8 @@ def main(argv=None) -> int:
     ratio_columns = [("size", "size", ""), ("pct", "density %", ".2g"),
                         ("sparsify_vs_topk", "vs topk", ".1f"), ("sparsify_vs_threshold", "vs thr+nz", ".1f"),
                         ("sparsify_over_scan", "sparsify/scan", ".2f"),
+                        ("ef_floor_over_scan", "EF floor/scan", ".2f"),
+                        ("sparsify_over_ef_floor", "sparsify/EF floor", ".2f"),
                         ("scatter_vs_index_add", "vs idx_add el", ".1f"),
                         ("scatter_vs_index_add_rows", "vs idx_add row", ".1f"),
                         ("sgd_vs_dense", "SGD speed-up", ".0f"),
