@@ -244,7 +244,8 @@ def main(argv=None) -> int:
             print(f"measured {size} at density {density}", file=sys.stderr, flush=True)
     load_end = os.getloadavg()
 
-    print(f"kernels: {kernels.NAME}; threads: {args.threads}; "
+    vector_scoring = getattr(kernels.active(), "VECTOR_SCORING", "none")
+    print(f"kernels: {kernels.NAME} (vector scoring: {vector_scoring}); threads: {args.threads}; "
           f"load average 1/5/15 min: start {load_start[0]:.2f}/{load_start[1]:.2f}/{load_start[2]:.2f}, "
           f"end {load_end[0]:.2f}/{load_end[1]:.2f}/{load_end[2]:.2f}")
     table = [{**r, "size": f"{r['numel'] / 1e6:g}M", "pct": r["density"] * 100,
@@ -283,7 +284,7 @@ def main(argv=None) -> int:
                 f"{name} {c['value']} (target {'<=' if name == 'sparsify_over_scan' else '>='} {c['target']}: "
                 f"{'met' if c['met'] else 'MISSED'})" for name, c in kind_checks.items()))
     json_path = save_json("kernels", {
-        "implementation": kernels.NAME, "threads": args.threads, "torch": torch.__version__,
+        "implementation": kernels.NAME, "vector_scoring": vector_scoring, "threads": args.threads, "torch": torch.__version__,
         "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in load_end],
         "repeats": args.repeats, "baseline_repeats": args.baseline_repeats, "results": rows, "targets": checks})
     png_path = plot(rows)

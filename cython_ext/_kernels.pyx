@@ -19,11 +19,103 @@ cdef extern from *:
     #else
     #define WANLINK_PREFETCH(address) ((void)0)
     #endif
+
+    #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+    #include <immintrin.h>
+    #include <float.h>
+
+    static int wanlink_cpu_has_avx2(void) {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+    }
+
+    /* score_chunk's loop for full 16-float blocks [first, last), eight at a time (last - first a
+       multiple of 8): acc = residual + grad (stored back when residual is not NULL), score = sum
+       |acc| added in score_block16's pairwise-halving order (so the bits are the same), and the
+       same counts and candidate list. The eight blocks' partial sums share registers, so the
+       horizontal additions cost a few shuffles per eight blocks instead of a chain per block.
+       Returns how many candidates it wrote to candidates[0:] and candidate_scores[0:]. */
+    __attribute__((target("avx2,popcnt")))
+    static Py_ssize_t wanlink_score16_avx2(const float* grad, float* residual, float* scores,
+                                           int32_t* candidates, float* candidate_scores,
+                                           Py_ssize_t first, Py_ssize_t last, float threshold, float band,
+                                           Py_ssize_t* above, Py_ssize_t* nonfinite) {
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        const __m256 largest = _mm256_set1_ps(FLT_MAX);
+        const __m256 threshold8 = _mm256_set1_ps(threshold), band8 = _mm256_set1_ps(band);
+        Py_ssize_t b, found = 0, count_above = 0, count_nonfinite = 0;
+        /* scores are only read again when too few blocks are candidates: stream them past the caches
+           (no read for ownership), when aligned */
+        const int stream_scores = ((size_t)(scores + first) & 31) == 0;
+        for (b = first; b < last; b += 8) {
+            const float* g = grad + b * 16;
+            float* r = residual != NULL ? residual + b * 16 : NULL;
+            __m256 half[8], quarter[4], t0, t1, t2, t3, score;
+            float lanes[8];
+            int i, mask;
+            for (i = 0; i < 8; i++) {  /* half[i][j] = |acc[j]| + |acc[j + 8]| of block b + i */
+                __m256 low = _mm256_loadu_ps(g + 16 * i), high = _mm256_loadu_ps(g + 16 * i + 8);
+                if (r != NULL) {
+                    low = _mm256_add_ps(_mm256_loadu_ps(r + 16 * i), low);
+                    high = _mm256_add_ps(_mm256_loadu_ps(r + 16 * i + 8), high);
+                    _mm256_storeu_ps(r + 16 * i, low);
+                    _mm256_storeu_ps(r + 16 * i + 8, high);
+                }
+                half[i] = _mm256_add_ps(_mm256_and_ps(low, abs_mask), _mm256_and_ps(high, abs_mask));
+            }
+            for (i = 0; i < 4; i++)  /* quarter[i][j] = half[j] + half[j + 4]: block b + i low, b + i + 4 high */
+                quarter[i] = _mm256_add_ps(_mm256_permute2f128_ps(half[i], half[i + 4], 0x20),
+                                           _mm256_permute2f128_ps(half[i], half[i + 4], 0x31));
+            /* transpose the 4 x 4 quarters in each 128-bit lane, then (q0 + q2) + (q1 + q3) */
+            t0 = _mm256_unpacklo_ps(quarter[0], quarter[1]);
+            t1 = _mm256_unpackhi_ps(quarter[0], quarter[1]);
+            t2 = _mm256_unpacklo_ps(quarter[2], quarter[3]);
+            t3 = _mm256_unpackhi_ps(quarter[2], quarter[3]);
+            score = _mm256_add_ps(
+                _mm256_add_ps(_mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0))),
+                _mm256_add_ps(_mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)),
+                              _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2))));
+            if (stream_scores)
+                _mm256_stream_ps(scores + b, score);
+            else
+                _mm256_storeu_ps(scores + b, score);
+            count_nonfinite += 8 - __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(score, largest, _CMP_LE_OQ)));
+            count_above += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(score, threshold8, _CMP_GT_OQ)));
+            mask = _mm256_movemask_ps(_mm256_cmp_ps(score, band8, _CMP_GT_OQ));
+            if (mask != 0)
+                _mm256_storeu_ps(lanes, score);
+            while (mask != 0) {
+                i = __builtin_ctz(mask);
+                candidates[found] = (int32_t)(b + i);
+                candidate_scores[found] = lanes[i];
+                found++;
+                mask &= mask - 1;
+            }
+        }
+        _mm_sfence();
+        *above += count_above;
+        *nonfinite += count_nonfinite;
+        return found;
+    }
+    #else
+    static int wanlink_cpu_has_avx2(void) { return 0; }
+    /* never called: score_chunk uses it only when wanlink_cpu_has_avx2() */
+    #define wanlink_score16_avx2(grad, residual, scores, candidates, candidate_scores, first, last, threshold, band, above, nonfinite) ((Py_ssize_t)0)
+    #endif
     """
     void prefetch "WANLINK_PREFETCH"(const void* address) noexcept nogil
+    bint cpu_has_avx2 "wanlink_cpu_has_avx2"() noexcept nogil
+    Py_ssize_t score16_avx2 "wanlink_score16_avx2"(
+        const float* grad, float* residual, float* scores, int32_t* candidates, float* candidate_scores,
+        Py_ssize_t first, Py_ssize_t last, float threshold, float band, Py_ssize_t* above,
+        Py_ssize_t* nonfinite) noexcept nogil
 
 KERNEL_ABI = 3
 MAX_BLOCK_SIZE = MAX_BLOCK
+
+cdef bint avx2_scoring = cpu_has_avx2()
+VECTOR_SCORING = "avx2" if avx2_scoring else "none"  # which scorer full 16-float blocks go through
 
 cdef enum:
     MAX_CHUNKS = 256          # per-chunk counters live on the stack
@@ -121,11 +213,18 @@ cdef void score_chunk(const float* grad, float* residual, float* scores, int32_t
     """One pass over blocks [first, last): accumulate, score, count, and list candidates.
 
     Candidate block ids (score > band) and their scores go to candidates[first:] and
-    candidate_scores[first:], so chunks never overlap.
+    candidate_scores[first:], so chunks never overlap. Full 16-float blocks go eight at a time
+    through the AVX2 scorer when the CPU has it; the rest (and every block elsewhere) one by one.
     """
-    cdef Py_ssize_t b, start, valid, above = 0, found = 0, nonfinite = 0
+    cdef Py_ssize_t b = first, start, valid, above = 0, found = 0, nonfinite = 0, vector_last
     cdef float score
-    for b in range(first, last):
+    if block == 16 and avx2_scoring:
+        vector_last = numel // 16 if last > numel // 16 else last
+        if vector_last > first:
+            b = first + (vector_last - first) // 8 * 8
+            found = score16_avx2(grad, residual, scores, candidates + first, candidate_scores + first, first, b,
+                                 threshold, band, &above, &nonfinite)
+    for b in range(b, last):
         start = b * block
         valid = numel - start
         if valid > block:
@@ -195,21 +294,26 @@ cdef uint32_t histogram_select(const float* pool_scores, Py_ssize_t pool_size, P
 
 
 cdef Py_ssize_t emit_selected(const float* pool_scores, const int32_t* pool_ids, Py_ssize_t pool_size,
-                              uint32_t cutoff_bits, Py_ssize_t take_equal,
+                              uint32_t cutoff_bits, Py_ssize_t take_equal, Py_ssize_t k,
                               int32_t* out_indices) noexcept nogil:
-    """Write the ids of the top blocks in ascending order; return how many were written.
+    """Write the ids of the (at most k) top blocks in ascending order; return how many were written.
 
-    pool_ids NULL means the pool is every block in order (id = position).
+    pool_ids NULL means the pool is every block in order (id = position). Branch-free per entry (an
+    unpredictable branch per entry cost more than the rest): every id is stored, the count moves
+    only for the kept ones, and the loop stops once k are kept so no store goes past out_indices[k-1].
     """
     cdef Py_ssize_t i, written = 0
     cdef uint32_t bits
+    cdef bint equal, keep
     for i in range(pool_size):
+        if written == k:
+            break
         bits = float_bits(pool_scores[i])
-        if bits > cutoff_bits or (bits == cutoff_bits and take_equal > 0):
-            if bits == cutoff_bits:
-                take_equal -= 1
-            out_indices[written] = pool_ids[i] if pool_ids != NULL else <int32_t>i
-            written += 1
+        equal = bits == cutoff_bits
+        keep = (bits > cutoff_bits) | (equal & (take_equal > 0))
+        take_equal -= equal & keep
+        out_indices[written] = pool_ids[i] if pool_ids != NULL else <int32_t>i
+        written += keep
     return written
 
 
@@ -272,7 +376,7 @@ def sparsify_blocks(const float[::1] grad, float[::1] residual, float[::1] score
         nchunks = MAX_CHUNKS
     if nchunks > nblocks:
         nchunks = nblocks
-    chunk_blocks = (nblocks + nchunks - 1) // nchunks
+    chunk_blocks = ((nblocks + nchunks - 1) // nchunks + 7) // 8 * 8  # eight-block groups keep their alignment
     nchunks = (nblocks + chunk_blocks - 1) // chunk_blocks
     with nogil:
         for chunk in prange(nchunks, schedule="dynamic", num_threads=num_threads):
@@ -300,7 +404,7 @@ def sparsify_blocks(const float[::1] grad, float[::1] residual, float[::1] score
         else:  # the threshold was too high: select among all blocks
             pool_ids, pool_scores, pool_size = NULL, scores_ptr, nblocks
         cutoff_bits = histogram_select(pool_scores, pool_size, k, &take_equal)
-        written = emit_selected(pool_scores, pool_ids, pool_size, cutoff_bits, take_equal, &out_indices[0])
+        written = emit_selected(pool_scores, pool_ids, pool_size, cutoff_bits, take_equal, k, &out_indices[0])
         num_threads = threads_for(k * block * RANDOM_ACCESS_COST, num_threads)
         gather_chunks = num_threads * CHUNKS_PER_THREAD
         if num_threads == 1:

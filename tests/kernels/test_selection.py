@@ -7,13 +7,15 @@ import pytest
 from wanlink import kernels
 from wanlink.errors import ConfigError, UnsupportedError
 from wanlink.kernels import reference
+from wanlink.kernels.arrays import aligned_empty
 
 SIZES = [1, 7, 15, 16, 17, 33, 1000, 4099, 65536 + 5]
 
 
-def run_sparsify(module, grad, residual, k, threshold=0.0, band=0.0, block=16, threads=2):
+def run_sparsify(module, grad, residual, k, threshold=0.0, band=0.0, block=16, threads=2, aligned_scores=False):
     nblocks = -(-grad.shape[0] // block)
-    scores = np.full(nblocks, -1.0, dtype=np.float32)
+    scores = aligned_empty(nblocks, np.float32) if aligned_scores else np.empty(nblocks, dtype=np.float32)
+    scores[:] = -1.0
     candidates = np.full(nblocks, -1, dtype=np.int32)
     candidate_scores = np.full(nblocks, -1.0, dtype=np.float32)
     out_indices = np.full(k, -1, dtype=np.int32)
@@ -101,6 +103,17 @@ def test_nonfinite_is_reported(implementation, bad):
     assert nonfinite == 1
 
 
+# Blocks 0-63 go through the compiled kernel's eight-block (AVX2) scorer where the CPU has one,
+# the partial block 64 and any leftovers through the one-block loop.
+@pytest.mark.parametrize("positions", [[0], [16 * 9 + 3], [16 * 40, 16 * 40 + 15, 16 * 47 + 1], [16 * 64 + 4]])
+def test_nonfinite_blocks_are_counted(implementation, positions):
+    grad = np.ones(16 * 64 + 5, dtype=np.float32)
+    grad[positions] = np.nan
+    grad[16 * 20: 16 * 21] = 3e38  # finite values whose block magnitude overflows float32
+    (_, _, _, nonfinite), *_ = run_sparsify(implementation, grad, np.zeros_like(grad), 2)
+    assert nonfinite == len({position // 16 for position in positions}) + 1
+
+
 # The compiled kernels go parallel only above 64 K floats per thread: the last sizes split into chunks.
 @pytest.mark.parametrize("numel", SIZES + [300_007, 1_000_003])
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -114,7 +127,9 @@ def test_compiled_matches_reference_bit_for_bit(both_implementations, rng, numel
             results = []
             for module in (compiled, ref):
                 res = residual.copy()
-                out = run_sparsify(module, grad, res, k, threshold, threshold * 0.8, threads=threads)
+                # 64-byte aligned scores: the compiled pass writes them with streaming stores
+                out = run_sparsify(module, grad, res, k, threshold, threshold * 0.8, threads=threads,
+                                   aligned_scores=numel % 2 == 1)
                 results.append((out, res))
             (stats_c, *arrays_c), res_c = results[0]
             (stats_r, *arrays_r), res_r = results[1]

@@ -5,6 +5,7 @@ import torch
 
 from wanlink.compress import BlockSparsifier, NonFiniteGradientError, target_blocks
 from wanlink.errors import ConfigError, UnsupportedError
+from wanlink.kernels.arrays import aligned_empty
 
 
 def gradients(rng, numel, steps, scale=1.0):
@@ -174,3 +175,16 @@ def test_state_dict_mismatch_is_rejected():
         BlockSparsifier(100, 0.1).load_state_dict({"numel": 100})
     with pytest.raises(ConfigError):
         BlockSparsifier(100, 0.1).load_state_dict({**state, "threshold": float("nan")})
+
+
+@pytest.mark.parametrize("count, dtype", [(0, np.float32), (1, np.float32), (1_000_003, np.float32), (77, np.int32)])
+def test_aligned_empty(count, dtype):
+    array = aligned_empty(count, dtype)
+    assert array.shape == (count,) and array.dtype == dtype and array.flags.writeable
+    assert count == 0 or array.ctypes.data % 64 == 0
+    array[:] = 7
+    assert np.all(array == 7)
+
+
+def test_scores_buffer_is_aligned_for_streaming_stores():
+    assert BlockSparsifier(1_000_001, 0.01)._scores.ctypes.data % 64 == 0

@@ -6,7 +6,7 @@ import torch
 
 from wanlink import kernels
 from wanlink.errors import ConfigError, NonFiniteGradientError, UnsupportedError
-from wanlink.kernels.arrays import block_count, check_block_size, flat_view
+from wanlink.kernels.arrays import aligned_empty, block_count, check_block_size, flat_view
 
 _CONVERTIBLE = (torch.float16, torch.bfloat16)
 
@@ -59,7 +59,7 @@ class BlockSparsifier:
         self.last_cutoff = 0.0
         self.residual = torch.zeros(self.numel, dtype=torch.float32) if self.error_feedback else None
         self._residual_array = self.residual.numpy() if self.error_feedback else None
-        self._scores = np.empty(self.nblocks, dtype=np.float32)
+        self._scores = aligned_empty(self.nblocks, np.float32)
         self._candidates = np.empty(self.nblocks, dtype=np.int32)
         self._candidate_scores = np.empty(self.nblocks, dtype=np.float32)
         self._indices = torch.empty(self.k, dtype=torch.int32)

@@ -71,3 +71,15 @@ def check_block_size(block) -> int:
 def block_count(numel: int, block: int) -> int:
     """Number of blocks covering ``numel`` elements (the last one possibly partial)."""
     return -(-numel // block)
+
+
+def aligned_empty(count: int, dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialised 1-D array whose first element sits on an ``alignment``-byte boundary.
+
+    The compiled sparsify pass writes the block scores with streaming stores (no read for
+    ownership) when the scores array is 32-byte aligned; NumPy's own large arrays are not.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.empty(count * itemsize + alignment, dtype=np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset: offset + count * itemsize].view(dtype)

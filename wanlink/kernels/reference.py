@@ -27,11 +27,12 @@ def _padded_blocks(flat: np.ndarray, block: int) -> np.ndarray:
 
 
 def block_scores(acc_blocks: np.ndarray) -> np.ndarray:
-    """Sum of |x| per row, added by pairwise halving in float32."""
+    """Sum of |x| per row, added by pairwise halving in float32 (a sum past float32 is inf: non-finite)."""
     partial = np.abs(acc_blocks)
-    while partial.shape[1] > 1:
-        half = partial.shape[1] // 2
-        partial = partial[:, :half] + partial[:, half:]
+    with np.errstate(over="ignore"):
+        while partial.shape[1] > 1:
+            half = partial.shape[1] // 2
+            partial = partial[:, :half] + partial[:, half:]
     return partial[:, 0]
 
 
