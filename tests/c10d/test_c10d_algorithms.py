@@ -230,3 +230,24 @@ def test_piece_helpers():
     assert piece_count(0, 4, 64) == 1
     assert piece_count(1000, 4, 64) == 63
     assert piece_count(10, 4, 1) == 10
+
+
+def test_chain_broadcast_sends_one_piece_before_the_successor_is_ready():
+    """A member that enters late receives only the first piece before it has posted its receives
+    (the rest would be staged and copied); the broadcast still completes."""
+    numel, sent_early = 999, []
+
+    def root_sends(comm):
+        return sum(1 for key in comm.world if key[0] == "sent" and key[1][:2] == (0, 1))
+
+    async def member(comm):
+        tensor = data(0, numel) if comm.rank == 0 else torch.zeros(numel)
+        if comm.rank == 1:
+            for _ in range(50):  # let the root run ahead
+                await asyncio.sleep(0)
+            sent_early.append(root_sends(comm))
+        await ring.broadcast(comm, tensor, 0)
+        return tensor
+    results = run_members(3, member)
+    assert piece_count(numel, 4, 64) > 2 and sent_early == [1]
+    assert all(torch.equal(result, data(0, numel)) for result in results)

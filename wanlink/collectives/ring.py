@@ -7,8 +7,8 @@ data for an all-reduce, and every member waits only on pieces it must reduce or 
 
 Receives are posted before the data can arrive wherever the buffer allows it, so the transport
 writes payloads straight into place instead of staging them. Reduce-scatter messages use piece
-tags ``p``, all-gather messages ``ALL_GATHER + p`` and the reduce's final hop ``TO_ROOT``, so
-the two phases never compete for one tag's FIFO order.
+tags ``p``, all-gather messages ``ALL_GATHER + p``, the reduce's final hop ``TO_ROOT`` and the
+broadcast's readiness word ``READY``, so the phases never compete for one tag's FIFO order.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, gather_all, piec
 
 ALL_GATHER = MAX_PIECES
 TO_ROOT = 2 * MAX_PIECES
+READY = 3 * MAX_PIECES
 ROTATING_BUFFERS = 3
 """Receive buffers per piece in the reduce-scatter phase (bounds its extra memory for large rings)."""
 
@@ -183,7 +184,14 @@ async def reduce(comm: Comm, tensor: torch.Tensor, root: int, reducer: Reducer) 
 
 
 async def broadcast(comm: Comm, tensor: torch.Tensor, root: int) -> None:
-    """Pipelined chain root -> root+1 -> ...: every link carries the tensor once."""
+    """Pipelined chain root -> root+1 -> ...: every link carries the tensor once.
+
+    Each member but the root posts all its receives, then tells its predecessor so (a one-byte
+    ``READY`` message); the predecessor sends its first piece at once and the rest only after that
+    word. Without it a root, which finishes as soon as its successor has everything, runs into the
+    next broadcast while the chain still relays this one, and every piece it sends meanwhile is
+    staged (copied) by a successor that has not posted its receives yet.
+    """
     n, me = comm.size, comm.rank
     if n == 1:
         return
@@ -192,10 +200,20 @@ async def broadcast(comm: Comm, tensor: torch.Tensor, root: int) -> None:
     count = piece_count(tensor.numel(), tensor.element_size(), comm.piece_bytes)
     pieces = split(tensor, count)
 
-    async def relay(p: int) -> None:
+    async def body(tasks: _Tasks) -> None:
+        received = []
         if position > 0:
-            await comm.recv(previous, pieces[p], p)
-        if position < n - 1:
-            await comm.send(following, pieces[p], p)
+            received = [tasks.spawn(comm.recv(previous, piece, p)) for p, piece in enumerate(pieces)]
+            # spawned after the receives, so it runs once they are posted
+            tasks.spawn(comm.send(previous, torch.ones(1, dtype=torch.uint8), READY))
+        if position == n - 1:
+            return
+        ready = tasks.spawn(comm.recv(following, torch.empty(1, dtype=torch.uint8), READY))
+        for p, piece in enumerate(pieces):
+            if received:
+                await received[p]
+            if p == 1:
+                await ready
+            tasks.spawn(comm.send(following, piece, p))
 
-    await gather_all([relay(p) for p in range(count)])
+    await _Tasks().run(body)
