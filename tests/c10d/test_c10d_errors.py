@@ -19,8 +19,9 @@ def mixed_dtype_reduce_scatters(size):
 
 
 def unsupported_requests(rank, size):
-    """Each request must raise UnsupportedError naming its op, synchronously, on every rank."""
-    from wanlink.errors import UnsupportedError
+    """Each request must raise UnsupportedError (or ConfigError for a wrong tensor count) naming its
+    op, synchronously, on every rank."""
+    from wanlink.errors import ConfigError, UnsupportedError
 
     attempts = {
         "all_reduce": lambda: dist.all_reduce(torch.ones(2, dtype=torch.float8_e4m3fn)),
@@ -36,6 +37,15 @@ def unsupported_requests(rank, size):
             attempt()
         assert caught.type is UnsupportedError or issubclass(caught.type, UnsupportedError), name
         messages[name] = str(caught.value)
+    group, one = dist.distributed_c10d._get_default_group(), torch.ones(2)
+    miscounted = {  # one tensor where the op needs one per member: every rank refuses before sending
+        "all_gather": lambda: group.allgather([[one]], [one]),
+        "reduce_scatter": lambda: group.reduce_scatter([one], [[one]]),
+        "all_to_all": lambda: group.alltoall([one], [one] * size),
+    }
+    for name, attempt in miscounted.items():
+        with pytest.raises(ConfigError, match=f"wanlink {name}: need {size} (input|output) tensors, got 1"):
+            attempt()
     dist.barrier()  # the group still works afterwards
     tensor = torch.ones(3)
     dist.all_reduce(tensor)

@@ -331,6 +331,12 @@ class ProcessGroupWanlink(ProcessGroup):
     def _is_small(self, nbytes: int) -> bool:
         return nbytes <= self.direct_max_bytes
 
+    def _check_one_per_member(self, op: str, tensors: Sequence, kind: str, who: str = "") -> None:
+        """Raise ConfigError unless ``tensors`` holds exactly one tensor per group member."""
+        if len(tensors) != self.group_size:
+            raise ConfigError(f"wanlink {op}: {who}need{'s' if who else ''} {self.group_size} {kind} tensors, "
+                              f"got {len(tensors)}")
+
     def _root_tensor_list(self, op: str, tensor_lists, tensor: torch.Tensor, root: int, kind: str):
         """The root's checked list of one tensor per member (gather outputs, scatter inputs); None elsewhere."""
         if self.group_rank != root:
@@ -339,8 +345,7 @@ class ProcessGroupWanlink(ProcessGroup):
                 raise ConfigError(f"wanlink {op}: only the root (rank {root}) passes {kind} tensors")
             return None
         tensors = _single(op, tensor_lists)
-        if len(tensors) != self.group_size:
-            raise ConfigError(f"wanlink {op}: root needs {self.group_size} {kind} tensors, got {len(tensors)}")
+        self._check_one_per_member(op, tensors, kind, who="root ")
         _check_tensors(op, [tensor, *tensors])
         _same_numel(op, tensors, tensor.numel(), f"{kind} tensor")
         return tensors
@@ -416,8 +421,7 @@ class ProcessGroupWanlink(ProcessGroup):
         op = "reduce_scatter"
         output = _single(op, output_tensors)
         inputs = _single(op, input_tensors)
-        if len(inputs) != self.group_size:
-            raise ConfigError(f"wanlink {op}: need {self.group_size} input tensors, got {len(inputs)}")
+        self._check_one_per_member(op, inputs, "input")
         _check_tensors(op, [output, *inputs])
         _same_numel(op, inputs, output.numel(), "input tensor")
         staging = Staging()
@@ -523,8 +527,7 @@ class ProcessGroupWanlink(ProcessGroup):
         op = "all_gather"
         tensor = _single(op, input_tensors)
         outputs = _single(op, output_tensors)
-        if len(outputs) != self.group_size:
-            raise ConfigError(f"wanlink {op}: need {self.group_size} output tensors, got {len(outputs)}")
+        self._check_one_per_member(op, outputs, "output")
         _check_tensors(op, [tensor, *outputs])
         if outputs[self.group_rank].numel() != tensor.numel():
             raise ConfigError(f"wanlink {op}: output[{self.group_rank}] must match the input's "
@@ -636,9 +639,8 @@ class ProcessGroupWanlink(ProcessGroup):
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         op = "all_to_all"
-        if len(output_tensors) != self.group_size or len(input_tensors) != self.group_size:
-            raise ConfigError(f"wanlink {op}: need {self.group_size} input and output tensors, "
-                              f"got {len(input_tensors)} and {len(output_tensors)}")
+        self._check_one_per_member(op, input_tensors, "input")
+        self._check_one_per_member(op, output_tensors, "output")
         _check_tensors(op, [*output_tensors, *input_tensors])
         if output_tensors[self.group_rank].numel() != input_tensors[self.group_rank].numel():
             raise ConfigError(f"wanlink {op}: output[{self.group_rank}] and input[{self.group_rank}] differ in size")
