@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -291,12 +290,9 @@ def main(argv=None) -> int:
     from bench.wanem.netns import WanemError, check_environment
 
     try:
-        check_environment()
+        check_environment(programs=("iperf3",))
     except WanemError as exc:
         print(f"wan_throughput: {exc}", file=sys.stderr)
-        return 1
-    if shutil.which("iperf3") is None:
-        print("wan_throughput: iperf3 is required (apt-get install -y iperf3)", file=sys.stderr)
         return 1
     load_before = machine_info()["loadavg_1_5_15"]
     t0 = time.monotonic()

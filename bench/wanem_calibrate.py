@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -261,12 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(rows, a.out.with_suffix(".png"))
         return 0
     try:
-        check_environment()
+        check_environment(programs=("iperf3",))
     except WanemError as e:
         print(f"wanem_calibrate: {e}", file=sys.stderr)
-        return 1
-    if shutil.which("iperf3") is None:
-        print("wanem_calibrate: iperf3 is required (apt-get install -y iperf3)", file=sys.stderr)
         return 1
     build()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: paths get torn down

@@ -71,8 +71,9 @@ class Link:
         return out
 
 
-def check_environment() -> None:
-    """Raise WanemError saying what is missing to build namespaces with TUN devices."""
+def check_environment(programs: tuple[str, ...] = ()) -> None:
+    """Raise WanemError saying what is missing to build namespaces with TUN devices, or to run
+    the extra ``programs`` a bench needs inside them (e.g. ``("iperf3",)``)."""
     if os.geteuid() != 0:
         raise WanemError("wanem needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) to create network "
                          "namespaces and TUN devices; run as root, e.g. with sudo")
@@ -80,6 +81,9 @@ def check_environment() -> None:
         raise WanemError("/dev/net/tun is missing (kernel without TUN, or not exposed in this container)")
     if shutil.which("ip") is None:
         raise WanemError("the 'ip' command (iproute2) is required")
+    for program in programs:
+        if shutil.which(program) is None:
+            raise WanemError(f"{program} is required (apt-get install -y {program})")
 
 
 def _sh(argv: list[str], **kw) -> subprocess.CompletedProcess:

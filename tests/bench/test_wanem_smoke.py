@@ -135,3 +135,10 @@ def test_teardown_removes_namespaces_and_emulator():
     assert not any(os.path.exists(f"/run/netns/{n}") for n in names)
     assert emulator.poll() is not None
     path.down()  # idempotent
+
+
+@needs_netns
+def test_environment_check_names_a_missing_program():
+    check_environment(programs=("ip",))
+    with pytest.raises(WanemError, match="wanlink-no-such-program is required"):
+        check_environment(programs=("ip", "wanlink-no-such-program"))
