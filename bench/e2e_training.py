@@ -6,7 +6,8 @@ rank, cycled) with the same seeds in every variant. Reports the median iteration
 phases (first iterations excluded: bucket rebuild, slow start), the speed-up over gloo, and the
 loss against wall-clock time. Fast variants run more iterations so the loss curve means something.
 Both namespaces run with ``net.ipv4.tcp_slow_start_after_idle=0`` (every variant alike; see
-docs/sparse.md). Needs root.
+docs/sparse.md), every rank keeps freed memory in the heap (``--malloc``, see KEEP_FREED_MEMORY)
+and every DDP uses ``gradient_as_bucket_view=True``. Needs root.
 
     python3 dev.py bench bench/e2e_training.py [--rtt-ms 40] [--rates 500 100] [--iterations N]
 """
@@ -25,14 +26,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-_NO_HOOK = {"density": None, "staleness": 0, "sparse_optimizer": False}
-_SPARSE = {"backend": "wanlink", "density": 0.01, "iterations": 150}
+_NO_HOOK = {"density": None, "staleness": 0, "sparse_optimizer": False, "fp16_wire": False}
+_FP16_WIRE = {**_NO_HOOK, "fp16_wire": True}  # torch's own fp16_compress_hook: halves the bytes of a dense step
+_SPARSE = {"backend": "wanlink", "density": 0.01, "iterations": 150, "fp16_wire": False}
 VARIANTS = {
     # no communication: one rank alone (the floor), and both ranks at once sharing this machine's cores
     "compute only": {"backend": None, "ranks": 1, "iterations": 150, **_NO_HOOK},
     "compute only, 2 ranks": {"backend": None, "ranks": 2, "iterations": 150, **_NO_HOOK},
     "gloo dense": {"backend": "gloo", "ranks": 2, "iterations": 10, **_NO_HOOK},
     "wanlink dense": {"backend": "wanlink", "ranks": 2, "iterations": 12, **_NO_HOOK},
+    "gloo dense fp16 wire": {"backend": "gloo", "ranks": 2, "iterations": 10, **_FP16_WIRE},
+    "wanlink dense fp16 wire": {"backend": "wanlink", "ranks": 2, "iterations": 12, **_FP16_WIRE},
     "wanlink sparse 1%": {**_SPARSE, "ranks": 2, "staleness": 0, "sparse_optimizer": False},
     "wanlink sparse 1% stale-1": {**_SPARSE, "ranks": 2, "staleness": 1, "sparse_optimizer": False},
     "wanlink sparse 1% stale-1 SparseSGD": {**_SPARSE, "ranks": 2, "staleness": 1, "sparse_optimizer": True},
@@ -40,7 +44,11 @@ VARIANTS = {
 SKIP_FIRST = 2  # iterations excluded from the median: DDP bucket rebuild and TCP slow start
 WIDTH, DEPTH_IN, CLASSES, BATCH = 4096, 1024, 1024, 32
 DATA_BATCHES = 32  # per rank, cycled: a finite training set the model can fit, so the loss visibly falls
-PHASES = ("forward_s", "backward_s", "hook_s", "wait_s", "step_s")
+# glibc hands every freed block over 32 MiB back to the kernel (mmap), so each iteration page-faults
+# its ~100 MB of fresh gradients back in (about 20 ms a step here). Keeping freed memory in the heap
+# is what PyTorch's CPU tuning guide gets from jemalloc or tcmalloc; every variant runs with it.
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+PHASES = ("forward_s", "backward_s", "hook_s", "wait_s", "step_s", "cpu_s")
 
 
 def make_model():
@@ -66,6 +74,7 @@ def worker(args) -> None:
     """One rank: runs inside its namespace, writes its timings as JSON."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import wanlink  # noqa: F401 - registers the backend
@@ -83,13 +92,15 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = make_model()
     teacher = torch.nn.Linear(DEPTH_IN, CLASSES)
-    ddp = DDP(model) if distributed else model
+    ddp = DDP(model, gradient_as_bucket_view=True) if distributed else model
     state = None
     clock = {"hook_s": 0.0, "returned": None}
     if variant["density"] is not None:
         state = BlockSparseState(density=variant["density"], staleness=variant["staleness"],
                                  sparse_optimizer=variant["sparse_optimizer"])
         ddp.register_comm_hook(state, timed(block_sparse_hook, clock))
+    elif variant["fp16_wire"]:
+        ddp.register_comm_hook(None, fp16_compress_hook)
     optimizer = (SparseSGD if variant["sparse_optimizer"] else torch.optim.SGD)(ddp.parameters(), lr=0.01,
                                                                                 momentum=0.9)
     data = torch.Generator().manual_seed(args.rank)
@@ -101,7 +112,7 @@ def worker(args) -> None:
         dist.barrier()
     start = time.perf_counter()
     for iteration in range(args.iterations):
-        begin = time.perf_counter()
+        begin, cpu_begin = time.perf_counter(), time.process_time()
         clock.update(hook_s=0.0, returned=None)
         optimizer.zero_grad()
         output = ddp(inputs[iteration % DATA_BATCHES])
@@ -115,7 +126,8 @@ def worker(args) -> None:
             optimizer.step()
         end = time.perf_counter()
         record = {"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
-                  "forward_s": forward_end - begin, "backward_s": backward_end - forward_end, "step_s": end - backward_end}
+                  "forward_s": forward_end - begin, "backward_s": backward_end - forward_end, "step_s": end - backward_end,
+                  "cpu_s": time.process_time() - cpu_begin}
         if state is not None:  # backward = compute + hooks (sparsify, launch) + waiting for the exchanges
             record.update(hook_s=clock["hook_s"], wait_s=backward_end - clock["returned"])
         records.append(record)
@@ -125,18 +137,18 @@ def worker(args) -> None:
         dist.barrier()
     params = sum(p.numel() for p in model.parameters())
     if args.rank == 0:
-        Path(args.out).write_text(json.dumps({"records": records, "params": params,
+        Path(args.rank_out).write_text(json.dumps({"records": records, "params": params,
                                               "sparse_bytes_sent": state.bytes_sent if state else None}))
     if distributed:
         dist.destroy_process_group()
 
 
-def run_variant(path, name: str, iterations: int, port: int) -> dict:
+def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name,
-                  "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--out", out]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                  "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--rank-out", out]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env)]
         if VARIANTS[name]["ranks"] == 2:
             ranks.append(path.popen_b([*common, "--rank", "1", "--address", path.addr_b], env=env))
@@ -158,7 +170,7 @@ def set_slow_start_after_idle(path, value: int) -> None:
         run(["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={value}"], check=True)
 
 
-def plot(rows: list[dict]) -> Path:
+def plot(rows: list[dict], out: str) -> Path:
     from bench.reporting import new_figure, save_figure
 
     fig, (ax_time, ax_phases, ax_loss) = new_figure(1, 3, figsize=(18, 5.5))
@@ -188,7 +200,7 @@ def plot(rows: list[dict]) -> Path:
     ax_loss.set_xlabel("wall-clock seconds (log)")
     ax_loss.set_ylabel("training loss (rank 0's batch)")
     ax_loss.legend(fontsize=6)
-    return save_figure(fig, "e2e_training")
+    return save_figure(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--slow-start-after-idle", type=int, choices=(0, 1), default=0,
                         help="net.ipv4.tcp_slow_start_after_idle in both namespaces (the kernel default is 1)")
+    parser.add_argument("--malloc", choices=("keep-freed", "glibc-default"), default="keep-freed",
+                        help="keep-freed: every rank runs with " + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()))
+    parser.add_argument("--out", default="e2e_training", help="result name under bench/results/ (JSON and PNG)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--variant", "--master", "--out", "--address"):
+    for hidden in ("--variant", "--master", "--rank-out", "--address"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29600, help=argparse.SUPPRESS)
@@ -219,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         with WanPath(rtt_ms=args.rtt_ms, rate_mbit=rate) as path:
             set_slow_start_after_idle(path, args.slow_start_after_idle)
             for index, name in enumerate(args.variants):
-                row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index)
-                row.update(rate_mbit=rate, rtt_ms=args.rtt_ms, slow_start_after_idle=args.slow_start_after_idle)
+                row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index,
+                                  keep_freed_memory=args.malloc == "keep-freed")
+                row.update(rate_mbit=rate, rtt_ms=args.rtt_ms, slow_start_after_idle=args.slow_start_after_idle,
+                           malloc=args.malloc)
                 if "median_hook_s" in row:
                     row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
                                                         - row["median_wait_s"])
@@ -229,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         gloo = next((r for r in rows if r["rate_mbit"] == row["rate_mbit"] and r["variant"] == "gloo dense"), None)
         row["speedup_vs_gloo"] = gloo["median_iteration_s"] / row["median_iteration_s"] if gloo else float("nan")
+        same_wire = next((r for r in rows if r["rate_mbit"] == row["rate_mbit"] and r["backend"] == "gloo"
+                          and r["fp16_wire"] == row["fp16_wire"]), None)  # fp16 against fp16, the rest against fp32
+        row["speedup_vs_gloo_same_wire"] = (same_wire["median_iteration_s"] / row["median_iteration_s"]
+                                            if same_wire else float("nan"))
         # a dense all-reduce of 2 ranks moves every gradient byte once each way: the bandwidth floor
         row["dense_floor_s"] = 8 * 4 * row["params"] / (row["rate_mbit"] * 1e6)
     print(f"\n{rows[0]['params'] / 1e6:.1f}M parameters, batch {BATCH}, 2 ranks, {args.rtt_ms:g} ms RTT, "
@@ -236,12 +257,13 @@ def main(argv: list[str] | None = None) -> int:
           "phases are medians (hook and wait: sparse variants only)")
     print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("iterations", "iters", "d"),
                        ("median_iteration_s", "s/iteration", ".3f"), ("speedup_vs_gloo", "x gloo", ".1f"),
+                       ("speedup_vs_gloo_same_wire", "x gloo same wire", ".1f"),
                        ("median_forward_s", "forward", ".3f"), ("median_backward_s", "backward", ".3f"),
                        ("median_hook_s", "hook", ".3f"), ("median_wait_s", "wait", ".3f"),
-                       ("median_step_s", "step", ".3f"), ("final_loss", "final loss", ".2f"),
+                       ("median_step_s", "step", ".3f"), ("median_cpu_s", "CPU s", ".3f"), ("final_loss", "final loss", ".2f"),
                        ("dense_floor_s", "dense bw floor s", ".2f")])
-    save_json("e2e_training", {"rows": rows, "skip_first": SKIP_FIRST})
-    print("wrote", plot(rows))
+    save_json(args.out, {"rows": rows, "skip_first": SKIP_FIRST})
+    print("wrote", plot(rows, args.out))
     return 0
 
 

@@ -303,6 +303,8 @@ class ProcessGroupWanlink(ProcessGroup):
             except PeerLost as error:
                 raise PeerLost(f"wanlink {label} (group {self.label!r}, rank {self.group_rank}): {error}") from error
 
+        if not torch.autograd._profiler_enabled():  # a range costs ~5 us and a GIL hand-off: only when traced
+            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source)
         with torch.profiler.record_function(f"wanlink:{op}"):
             return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source)
 

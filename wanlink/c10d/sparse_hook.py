@@ -12,8 +12,10 @@ holds the model's first layers, which the next forward pass needs first, so they
 With ``staleness=1`` (StellaTrain's partial staleness) the optimizer at step t applies the
 aggregated update of step t-1: the hook returns the previous step's result and lets this step's
 exchange overlap the next forward and backward. Call ``state.flush()`` before the last optimizer
-step and before checkpoints. With ``sparse_optimizer=True`` the hook leaves the dense gradients at
-zero and keeps the aggregated blocks for ``SparseSGD.step(sparse_grads=state.sparse_grads())``.
+step and before checkpoints. With ``sparse_optimizer=True`` the hook keeps the aggregated blocks for
+``SparseSGD.step(sparse_grads=state.sparse_grads())`` and leaves ``.grad`` as this rank's own,
+unaveraged gradient, which that step does not read (clearing 100 MB per step would cost more
+than the sparse step itself).
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
@@ -105,11 +107,12 @@ class _BucketCodec:
         for rank_frames in self.frames(gathered, world):
             indices = np.concatenate([f.indices for f in rank_frames])
             values = np.concatenate([f.values.reshape(-1, BLOCK) for f in rank_frames])
-            unique, inverse = np.unique(indices, return_inverse=True)
-            summed = np.zeros((unique.shape[0], BLOCK), dtype=np.float32)
-            np.add.at(summed, inverse, values)
+            order = np.argsort(indices, kind="stable")  # runs already sorted per rank: a merge; rank order kept
+            indices = indices[order]
+            firsts = np.flatnonzero(np.concatenate(([True], indices[1:] != indices[:-1])))
+            summed = np.add.reduceat(values[order], firsts, axis=0) if firsts.size else values[:0].copy()
             summed /= world
-            results.append((torch.from_numpy(unique.astype(np.int32)), torch.from_numpy(summed)))
+            results.append((torch.from_numpy(indices[firsts].astype(np.int32)), torch.from_numpy(summed)))
         return results
 
 
@@ -287,7 +290,6 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     exchange = work.get_future().then(finish)
     if state.sparse_optimizer:
         state.apply_step(iteration - state.staleness)
-        buffer.zero_()  # the sparsifier has taken the gradients; the dense ones stay zero
         ready = _futures_of(_previous_step_sources(state, iteration, params, exchange)) if state.staleness else [exchange]
         return torch.futures.collect_all(ready).then(lambda _done: buffer)
     if not state.staleness:
