@@ -51,6 +51,23 @@ def test_staging_buffers_are_reused_once_copied_out():
     assert bytes(buf) == b"abcd" and bytes(out) == b"wxyz" and r.unexpected_bytes == 0
 
 
+def _stage_and_claim(r: Reassembler, tag: int, size: int):
+    """Stage a whole ``size``-byte message on ``tag``, then post for it; returns the staging buffer."""
+    view = r.place(chunk(tag, 0, size, 0, size))
+    r.chunk_done(chunk(tag, 0, size, 0, size))
+    r.post(tag, memoryview(bytearray(size)))
+    return view.obj
+
+
+def test_full_spare_pool_makes_room_for_the_current_chunk_size(monkeypatch):
+    monkeypatch.setattr("wanlink.proto.reassembly.SPARE_STAGING_BYTES", 8)
+    r = Reassembler()
+    old = [_stage_and_claim(r, tag, 4) for tag in (1, 2)]  # the pool is full of 4-byte buffers
+    new = _stage_and_claim(r, 3, 8)  # the chunk size changed: its buffer evicts them
+    assert r.place(chunk(4, 0, 8, 0, 8)).obj is new
+    assert all(r.place(chunk(5 + i, 0, 4, 0, 4)).obj is not buffer for i, buffer in enumerate(old))
+
+
 def test_partially_staged_message_completes_after_post():
     r = Reassembler()
     deliver(r, chunk(1, 0, 8, 0, 4), b"abcd")

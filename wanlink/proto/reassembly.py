@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
+import numpy as np
+
 from wanlink.errors import MessageSizeError, ProtocolError
 from wanlink.proto.frames import Header
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
@@ -21,7 +23,7 @@ SCRATCH_SIZE = 16 * 1024 * 1024
 SPARE_STAGING_BYTES = 64 * 1024 * 1024
 """Staging buffers kept for reuse once their chunk moved to a posted buffer: chunks that arrive
 before their receive is posted (a peer entering a collective late) then cost a copy, not fresh
-pages that fault and get zeroed."""
+pages that fault. When full, buffers of other sizes make room (the chunk size can change)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -187,28 +189,38 @@ class Reassembler:
         self._incoming[(tag, seq)] = entry
         return entry
 
-    def _stage(self, entry: Incoming, offset: int, data, size: int | None = None) -> bytearray:
+    def _stage(self, entry: Incoming, offset: int, data, size: int | None = None):
         """Hold a chunk of an unclaimed message (a copy of ``data``, or ``size`` empty bytes)."""
         size = len(data) if data is not None else size
         self._limits.check("max_unexpected_bytes", self.unexpected_bytes + size,
                            f"chunk of tag={entry.tag} seq={entry.seq} held before a matching recv")
         if data is not None:
             staged = bytearray(data)
+        elif size in self._spare:
+            staged = self._take_spare(size)
         else:
-            spare = self._spare.get(size)
-            if spare:
-                staged = spare.pop()
-                self._spare_bytes -= size
-            else:
-                staged = bytearray(size)
+            staged = np.empty(size, dtype=np.uint8)  # the chunk overwrites it: no zeroing pass
         entry.staged[offset] = staged
         self.unexpected_bytes += size
         return staged
 
-    def _recycle(self, staged: bytearray) -> None:
-        if self._spare_bytes + len(staged) <= SPARE_STAGING_BYTES:
-            self._spare.setdefault(len(staged), []).append(staged)
-            self._spare_bytes += len(staged)
+    def _take_spare(self, size: int):
+        buffers = self._spare[size]
+        staged = buffers.pop()
+        if not buffers:
+            del self._spare[size]
+        self._spare_bytes -= size
+        return staged
+
+    def _recycle(self, staged) -> None:
+        size = len(staged)
+        while self._spare_bytes + size > SPARE_STAGING_BYTES:
+            other = next((s for s in self._spare if s != size), None)
+            if other is None:  # full of this size already
+                return
+            self._take_spare(other)
+        self._spare.setdefault(size, []).append(staged)
+        self._spare_bytes += size
 
     def _settle(self, entry: Incoming, offset: int) -> None:
         """A chunk finished landing: move it if the message was claimed or given back meanwhile."""
