@@ -6,6 +6,7 @@ is the fastest plain-Python path: ``loop.sock_sendall`` of the whole buffer agai
 ``send`` returns only once the receiver acknowledged every chunk, so both times cover delivery.
 
     python3 dev.py bench bench/loopback_throughput.py [--size-mib 1024] [--streams 1 2 4 8] [--repeat 3]
+        [--paths tcp unix] [--chunk-kib 1024 4096] [--name loopback_unix]
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ async def _raw_receiver(pipe, size: int, repeat: int) -> None:
     loop = asyncio.get_running_loop()
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
-    pipe.send(listener.getsockname()[1])
+    pipe.send((listener.getsockname()[1], None))
     conn, _ = await loop.sock_accept(listener)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     view = memoryview(bytearray(size))
@@ -74,8 +75,8 @@ async def _raw_receiver(pipe, size: int, repeat: int) -> None:
 
 async def _wanlink_receiver(pipe, size: int, repeat: int) -> None:
     links: asyncio.Queue = asyncio.Queue()
-    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait)
-    pipe.send(server.port)
+    server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, unix=True)
+    pipe.send((server.port, server.unix_name))
     link = await links.get()
     target = bytearray(size)
     for round_index in range(repeat):
@@ -108,9 +109,9 @@ async def _raw_sender(port: int, payload: memoryview, repeat: int) -> list[float
 
 
 async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: int,
-                          chunk_size: int) -> tuple[list[float], list]:
+                          chunk_size: int, unix_name: str | None) -> tuple[list[float], list]:
     link = await wanlink.connect("127.0.0.1", port, streams=streams, secret=SECRET, chunk_size=chunk_size,
-                                 congestion=CONGESTION[0])
+                                 congestion=CONGESTION[0], unix_name=unix_name)
     times = []
     for round_index in range(repeat):
         start, cpu = time.perf_counter(), time.process_time()
@@ -124,13 +125,13 @@ async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: 
 
 
 def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kind: str,
-             chunk_size: int = 1024 * 1024) -> dict:
+             chunk_size: int = 1024 * 1024, path: str = "tcp") -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(child, mode, len(payload), repeat, loop_kind))
     proc.start()
     try:
-        port = parent.recv()
+        port, unix_name = parent.recv()
         _cpu_seconds.total = 0.0
         loop = make_loop(loop_kind)
         try:
@@ -138,7 +139,7 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
                 times, per_stream = loop.run_until_complete(_raw_sender(port, payload, repeat)), [repeat]
             else:
                 times, per_stream = loop.run_until_complete(
-                    _wanlink_sender(port, payload, repeat, streams, chunk_size))
+                    _wanlink_sender(port, payload, repeat, streams, chunk_size, unix_name if path == "unix" else None))
         finally:
             loop.close()
         receiver_cpu = parent.recv() if parent.poll(60) else float("nan")
@@ -148,7 +149,7 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
             proc.kill()
     rates = [8 * len(payload) / t / 1e9 for t in times]
     gib = len(payload) * repeat / 2**30
-    return {"mode": mode, "streams": streams, "loop": loop_kind, "chunk_kib": chunk_size // 1024 if mode != "raw" else "",
+    return {"mode": mode, "path": path, "streams": streams, "loop": loop_kind, "chunk_kib": chunk_size // 1024 if mode != "raw" else "",
             "best_gbps": max(rates),
             "median_gbps": statistics.median(rates), "seconds": times, "chunks_per_stream": per_stream,
             "sender_cpu_s_per_gib": _cpu_seconds.total / gib, "receiver_cpu_s_per_gib": receiver_cpu / gib}
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", nargs="+", default=["uvloop", "asyncio"], choices=["uvloop", "asyncio"])
     parser.add_argument("--chunk-kib", type=int, nargs="+", default=[1024],
                         help="chunk sizes to compare (the default chunk size was chosen with 256 1024 4096)")
+    parser.add_argument("--paths", nargs="+", default=["tcp"], choices=["tcp", "unix"],
+                        help="wanlink over TCP loopback and/or an abstract Unix socket (the raw baseline is TCP)")
     parser.add_argument("--congestion", default=None, help="TCP congestion control of wanlink's streams")
     parser.add_argument("--name", default="loopback_throughput")
     args = parser.parse_args(argv)
@@ -172,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         baseline = run_case("raw", 1, payload, args.repeat, loop_kind)
         baseline["vs_raw"] = 1.0
         rows.append(baseline)
-        for chunk_kib in args.chunk_kib:
-            for streams in args.streams:
-                row = run_case("wanlink", streams, payload, args.repeat, loop_kind, chunk_kib * 1024)
-                row["vs_raw"] = row["median_gbps"] / baseline["median_gbps"]
-                rows.append(row)
+        for path in args.paths:
+            for chunk_kib in args.chunk_kib:
+                for streams in args.streams:
+                    row = run_case("wanlink", streams, payload, args.repeat, loop_kind, chunk_kib * 1024, path)
+                    row["vs_raw"] = row["median_gbps"] / baseline["median_gbps"]
+                    rows.append(row)
     print(f"loopback, {args.size_mib} MiB per transfer, {args.repeat} repetitions; load {os.getloadavg()[0]:.2f}")
-    print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("streams", "streams", "d"),
+    print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("path", "path", ""), ("streams", "streams", "d"),
                        ("chunk_kib", "chunk KiB", ""),
                        ("median_gbps", "median Gb/s", ".2f"), ("best_gbps", "best Gb/s", ".2f"),
                        ("vs_raw", "x raw", ".2f"), ("sender_cpu_s_per_gib", "send CPU s/GiB", ".3f"),
@@ -187,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     fig, ax = new_figure(figsize=(7, 4))
     for loop_kind in args.loops:
         raw = next(r for r in rows if r["loop"] == loop_kind and r["mode"] == "raw")
-        for chunk_kib in args.chunk_kib:
-            mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink" and r["chunk_kib"] == chunk_kib]
-            line = ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], marker="o",
-                           label=f"wanlink ({loop_kind}, {chunk_kib} KiB chunks)")[0]
+        for path in args.paths:
+            for chunk_kib in args.chunk_kib:
+                mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink"
+                        and r["chunk_kib"] == chunk_kib and r["path"] == path]
+                line = ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], marker="o",
+                               label=f"wanlink over {path} ({loop_kind}, {chunk_kib} KiB chunks)")[0]
         ax.axhline(raw["median_gbps"], linestyle="--", color=line.get_color(), label=f"raw sock_sendall ({loop_kind})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("streams per link")

@@ -20,7 +20,7 @@ def test_demo_trains_with_wanlink_and_gloo():
         assert re.search(rf"\[\s*{backend}\] epoch  3/3 ", out), out
         accuracy = float(re.search(rf"\[\s*{backend}\] final test accuracy ([\d.]+)%", out).group(1))
         assert accuracy > 60, out
-    assert "per-link stats on rank 0" in out and "127.0.0.1:" in out
+    assert "per-link stats on rank 0" in out and "unix" in out  # local ranks link over Unix sockets
     assert re.search(r"time ratio wanlink/gloo = [\d.]+", out), out
 
 

@@ -416,3 +416,30 @@ async def test_idle_link_outlives_its_silence_timeout():
         assert out == b"still here" and p.client.streams_alive == 2 and p.accepted.error is None
     finally:
         await p.close()
+
+
+async def test_unix_socket_link_between_processes_of_one_host():
+    from wanlink.io.link import LOOPBACK_CHUNK_SIZE
+
+    links: asyncio.Queue = asyncio.Queue()
+    async with await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, unix=True) as server:
+        client = await wanlink.connect("127.0.0.1", server.port, streams=2, secret=SECRET,
+                                       unix_name=server.unix_name)
+        accepted = await asyncio.wait_for(links.get(), 10)
+        try:
+            data, back = pattern(9 * MiB + 3, seed=1), pattern(MiB, seed=2)
+            out, out_back = bytearray(len(data)), bytearray(len(back))
+            await asyncio.gather(client.send(data, tag=1), accepted.recv_into(out, tag=1),
+                                 accepted.send(back, tag=2), client.recv_into(out_back, tag=2))
+            assert out == data and out_back == back
+            stats = client.stats()
+            assert stats["peer"] == f"unix:{server.unix_name}" and stats["streams_alive"] == 2
+            assert client.chunk_size == accepted.chunk_size == LOOPBACK_CHUNK_SIZE  # a local path: large chunks
+        finally:
+            await client.close()
+            await accepted.close()
+        with pytest.raises(AuthenticationError):
+            await wanlink.connect("127.0.0.1", server.port, streams=1, secret=b"wrong", unix_name=server.unix_name)
+    with pytest.raises(PeerLost, match="cannot connect"):  # the server is gone, and so is its abstract socket
+        await wanlink.connect("127.0.0.1", server.port, streams=1, secret=SECRET, unix_name=server.unix_name,
+                              timeout=5)

@@ -1,6 +1,8 @@
 """The links of one process to the other members of a world, set up through the torch Store.
 
-Every member runs one wanlink server and publishes ``host:port`` under ``wanlink/addr/<rank>``.
+Every member runs one wanlink server and publishes ``host:port`` under ``wanlink/addr/<rank>``,
+and under ``wanlink/local/<rank>`` its host key and abstract Unix socket: members of one host (and
+network namespace) link over Unix sockets instead of TCP loopback (``WANLINK_UNIX=0`` turns that off).
 Links are made at start-up (and re-requested lazily), one per pair of members, and shared by every process group of that world:
 the member with the higher rank connects, the lower one accepts. The shared secret is
 ``WANLINK_SECRET`` when set, otherwise made by rank 0 and handed out through the Store (see
@@ -19,10 +21,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost
+from wanlink.io.sockets import same_host_key
 
 logger = logging.getLogger(__name__)
 
 ADDRESS_KEY = "wanlink/addr/{rank}"
+LOCAL_KEY = "wanlink/local/{rank}"
 SECRET_KEY = "wanlink/secret"
 WORLD_KEY = "wanlink/world"
 
@@ -107,14 +111,21 @@ class Mesh:
         self._slots: dict[int, str] = {}
         self._closed = False
         bind, advertised = advertised_address(store)
+        host_key = same_host_key() if os.environ.get("WANLINK_UNIX", "1") != "0" else ""
         self.server = self.runtime.run(
-            wanlink.serve(bind, 0, secret=self.secret, on_link=self._on_link, compress=self.compress),
+            wanlink.serve(bind, 0, secret=self.secret, on_link=self._on_link, compress=self.compress,
+                          unix=bool(host_key)),
             timeout.total_seconds())
         store.set(ADDRESS_KEY.format(rank=rank), f"{advertised}:{self.server.port}")
+        store.set(LOCAL_KEY.format(rank=rank), f"{host_key} {self.server.unix_name or ''}")
         self.addresses: dict[int, tuple[str, int]] = {}
+        self.unix_names: dict[int, str] = {}  # peers of this host: their abstract socket
         for peer in range(size):
             host, _, port = _store_get(store, ADDRESS_KEY.format(rank=peer), timeout).decode().rpartition(":")
             self.addresses[peer] = (host, int(port))
+            peer_key, _, unix_name = _store_get(store, LOCAL_KEY.format(rank=peer), timeout).decode().partition(" ")
+            if host_key and peer_key == host_key and unix_name:
+                self.unix_names[peer] = unix_name
         try:
             self.runtime.run(self._link_all(), timeout.total_seconds())
         except DeadlineExceeded:
@@ -154,7 +165,8 @@ class Mesh:
         try:
             link = await wanlink.connect(host, port, streams=self.streams, secret=self.secret,
                                          meta={"rank": self.rank, "world": self.world},
-                                         timeout=self.timeout.total_seconds(), compress=self.compress)
+                                         timeout=self.timeout.total_seconds(), compress=self.compress,
+                                         unix_name=self.unix_names.get(peer))
         except BaseException as error:  # noqa: BLE001 - handed to every waiter
             if not slot.done():
                 slot.set_exception(PeerLost(f"wanlink: cannot connect rank {self.rank} -> rank {peer} "

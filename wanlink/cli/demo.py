@@ -1,4 +1,7 @@
-"""wanlink demo: data-parallel training on 4 local ranks over loopback, wanlink against gloo.
+"""wanlink demo: data-parallel training on 4 local ranks, wanlink against gloo.
+
+Local ranks link over Unix sockets (wanlink) and TCP loopback (gloo); WANLINK_UNIX=0 puts
+wanlink on loopback too.
 
 Trains a small MLP on scikit-learn's bundled ``load_digits`` (no download) with
 DistributedDataParallel, first with backend "wanlink", then with "gloo", printing per-epoch
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer", action="store_true", help="run the striped-transfer demo instead")
     args = parser.parse_args(argv)
     print(f"wanlink demo: MLP on load_digits (1797 8x8 images, 10 classes), DDP on {args.ranks} local ranks "
-          f"over loopback, {args.epochs} epochs, batch {args.batch} per rank", flush=True)
+          f"on this host, {args.epochs} epochs, batch {args.batch} per rank", flush=True)
     timings = {}
     for backend in ("wanlink", "gloo"):
         print(f"\n== backend {backend} ==", flush=True)
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     (wanlink_s, wanlink_acc), (gloo_s, gloo_acc) = timings["wanlink"], timings["gloo"]
     print(f"\nwanlink {wanlink_s:.2f} s (accuracy {wanlink_acc:.2%}), gloo {gloo_s:.2f} s (accuracy {gloo_acc:.2%}): "
           f"time ratio wanlink/gloo = {wanlink_s / gloo_s:.2f}")
-    print("(loopback has no latency or bandwidth limit, so this compares per-call overhead on small "
+    print("(local links have no latency or bandwidth limit, so this compares per-call overhead on small "
           "gradients, not what wanlink is built for: long, slow links)")
     return 0
 

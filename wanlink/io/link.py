@@ -9,7 +9,8 @@ import socket
 from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, ProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, configure_stream_socket, congestion_of, is_loopback, log, recv_exactly, tcp_bytes_acked,
+    close_quietly, configure_stream_socket, congestion_of, is_local_socket, is_loopback, log, recv_exactly,
+    tcp_bytes_acked, unix_address,
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import pack_message, unpack_message
@@ -26,7 +27,7 @@ PROBE_META_KEY = "wanlink_probe"  # a link whose meta has it only carries probe 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_STREAMS = 4
 LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
-"""Default chunk size of a link whose streams all run over loopback (WANLINK_CHUNK_SIZE overrides).
+"""Default chunk size of a link whose streams all run over loopback or Unix sockets (WANLINK_CHUNK_SIZE overrides).
 There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; elsewhere the probe
 picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
@@ -94,7 +95,7 @@ class Link:
         self.link_id = link_id
         self.peer_meta = peer_meta or {}
         self.limits = limits
-        if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None and _all_loopback(socks):
+        if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None and all(is_local_socket(sock) for sock in socks):
             chunk_size = LOOPBACK_CHUNK_SIZE
         self.chunk_size = chunk_size_from(chunk_size)
         self.timeout = timeout
@@ -457,13 +458,6 @@ class Link:
         }
 
 
-def _all_loopback(socks: list[socket.socket]) -> bool:
-    try:
-        return all(is_loopback(sock.getpeername()[0]) for sock in socks)
-    except (OSError, IndexError, TypeError):  # unconnected, or not an IP socket
-        return False
-
-
 async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, sock_buffer,
                               timeout: float) -> tuple[int, int | None]:
     """N (and a chunk size) for a path: probed, except towards loopback unless WANLINK_STREAMS=auto."""
@@ -484,19 +478,23 @@ async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, s
 async def connect(host: str, port: int, *, streams: int | None = None, secret: bytes | str | None = None,
                   meta: dict | None = None, timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None,
                   congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
-                  checksum: bool = False, limits: Limits = DEFAULT_LIMITS) -> Link:
+                  checksum: bool = False, limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None) -> Link:
     """Open a Link of ``streams`` TCP streams to a wanlink server and authenticate each one.
 
     ``streams`` defaults to WANLINK_STREAMS, else to a count probed on the path (1, 2, 4, ... up to
     64 streams until doubling gains under 5 %; ``WANLINK_STREAMS=auto`` probes even towards
     loopback, where the default is 4 without probing). ``timeout`` bounds the connection set-up
-    and is the link's silence timeout afterwards.
+    and is the link's silence timeout afterwards. ``unix_name``: the server's abstract Unix socket
+    (``Server.unix_name``, same host and network namespace only); the streams are Unix sockets,
+    not probed (default 4).
     """
     count = stream_count_from(streams)
     key = normalize_secret(secret)
     if not key:
         log.warning("wanlink: connecting to %s:%s without authentication (empty secret)", host, port)
     loop = asyncio.get_running_loop()
+    if count is None and unix_name is not None:
+        count = DEFAULT_STREAMS
     if count is None:
         count, probed_chunk = await _probe_stream_count(host, port, key, congestion, sock_buffer, timeout)
         if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None:
@@ -506,11 +504,15 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     socks: list[socket.socket | None] = [None] * count
 
     async def open_stream(index: int) -> None:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, _type, proto, _name, address = infos[0]
+        if unix_name is not None:
+            family, proto, address, peer_host = socket.AF_UNIX, 0, unix_address(unix_name), None
+        else:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, _type, proto, _name, address = infos[0]
+            peer_host = address[0]
         sock = socket.socket(family, socket.SOCK_STREAM, proto)
         socks[index] = sock
-        configure_stream_socket(sock, congestion=congestion, buffer_bytes=sock_buffer, peer_host=address[0])
+        configure_stream_socket(sock, congestion=congestion, buffer_bytes=sock_buffer, peer_host=peer_host)
         await loop.sock_connect(sock, address)
         handshake = ClientHandshake(key, link_id, index, count, meta, limits=limits)
         await loop.sock_sendall(sock, handshake.hello())
@@ -531,5 +533,6 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
         if isinstance(exc, OSError) and not isinstance(exc, WanlinkError):
             raise PeerLost(f"cannot connect to {host}:{port}: {exc}") from exc
         raise
-    return Link(socks, peer=f"{host}:{port}", link_id=link_id, limits=limits, chunk_size=chunk_size,
+    peer = f"{host}:{port}" if unix_name is None else f"unix:{unix_name}"
+    return Link(socks, peer=peer, link_id=link_id, limits=limits, chunk_size=chunk_size,
                 timeout=timeout, compress=compress, checksum=checksum).start()

@@ -1,9 +1,10 @@
-"""Socket set-up and exact-size reads for wanlink's TCP streams."""
+"""Socket set-up and exact-size reads for wanlink's streams (TCP, or Unix sockets between processes of one host)."""
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import logging
+import os
 import socket
 import struct
 
@@ -51,6 +52,46 @@ def configure_stream_socket(sock: socket.socket, *, congestion: str | None = Non
             raise ConfigError(f"socket buffer size must be positive, got {buffer_bytes}")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+def same_host_key() -> str:
+    """Who can reach this process's abstract Unix sockets: this boot of this kernel, this network namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:  # not Linux: no abstract sockets to offer
+        return ""
+    return f"{boot}/{netns}"
+
+
+def unix_listener(backlog: int) -> tuple[socket.socket, str]:
+    """A listening socket in the abstract Unix namespace (no file, gone with the process) and its name."""
+    name = f"wanlink-{os.getpid()}-{os.urandom(6).hex()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind("\0" + name)
+        listener.listen(backlog)
+    except OSError:
+        close_quietly(listener)
+        raise
+    listener.setblocking(False)
+    return listener, name
+
+
+def unix_address(name: str) -> str:
+    """The address to connect to for an abstract socket ``name``."""
+    return "\0" + name
+
+
+def is_local_socket(sock: socket.socket) -> bool:
+    """A Unix socket, or TCP to a loopback address: a path with nothing to probe."""
+    if sock.family == socket.AF_UNIX:
+        return True
+    try:
+        return is_loopback(sock.getpeername()[0])
+    except (OSError, IndexError, TypeError):  # unconnected
+        return False
 
 
 def is_loopback(host: str | None) -> bool:
