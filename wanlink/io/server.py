@@ -224,8 +224,8 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
     ``unix=True`` also listens on an abstract Unix socket (``server.unix_name``) for processes of
-    the same host and network namespace: the same handshake, about a third less CPU per byte than
-    TCP over loopback and twice its rate (bench/loopback_throughput.py).
+    the same host and network namespace: the same handshake; sending costs a third less CPU per
+    byte than over TCP loopback (bench/loopback_throughput.py --paths tcp unix).
     """
     key = normalize_secret(secret)
     if not key:
