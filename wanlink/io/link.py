@@ -95,7 +95,8 @@ class Link:
         self.link_id = link_id
         self.peer_meta = peer_meta or {}
         self.limits = limits
-        if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None and all(is_local_socket(sock) for sock in socks):
+        local = all(is_local_socket(sock) for sock in socks)
+        if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None and local:
             chunk_size = LOOPBACK_CHUNK_SIZE
         self.chunk_size = chunk_size_from(chunk_size)
         self.timeout = timeout
