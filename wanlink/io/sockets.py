@@ -70,7 +70,7 @@ def unix_listener(backlog: int) -> tuple[socket.socket, str]:
     name = f"wanlink-{os.getpid()}-{os.urandom(6).hex()}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind("\0" + name)
+        listener.bind(unix_address(name))
         listener.listen(backlog)
     except OSError:
         close_quietly(listener)
