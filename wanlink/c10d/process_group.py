@@ -8,6 +8,7 @@ pipelined rings (``wanlink.collectives``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -303,9 +304,8 @@ class ProcessGroupWanlink(ProcessGroup):
             except PeerLost as error:
                 raise PeerLost(f"wanlink {label} (group {self.label!r}, rank {self.group_rank}): {error}") from error
 
-        if not torch.autograd._profiler_enabled():  # a range costs ~5 us and a GIL hand-off: only when traced
-            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source)
-        with torch.profiler.record_function(f"wanlink:{op}"):
+        traced = torch.autograd._profiler_enabled()  # a range costs ~5 us and a GIL hand-off: only when traced
+        with torch.profiler.record_function(f"wanlink:{op}") if traced else contextlib.nullcontext():
             return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source)
 
     def _collective(self, op: str, fingerprint: tuple, body: Callable[..., Awaitable[None]],

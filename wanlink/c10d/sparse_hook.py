@@ -87,7 +87,8 @@ class _BucketCodec:
                 rows[inside] = 0
                 tail[:] = 0
             scatter_add_(segment, [f.indices for f in rank_frames], [f.values for f in rank_frames], block=BLOCK)
-            blocks = np.unique(np.concatenate([f.indices for f in rank_frames]))
+            _order, ids, firsts = _merge([f.indices for f in rank_frames])
+            blocks = ids[firsts]
             rows, inside, tail = _blocks_of(segment, blocks)
             rows[inside] /= world
             tail /= world
@@ -105,14 +106,11 @@ class _BucketCodec:
         """Per gradient, the union of the ranks' blocks with their values summed and averaged."""
         results = []
         for rank_frames in self.frames(gathered, world):
-            indices = np.concatenate([f.indices for f in rank_frames])
+            order, ids, firsts = _merge([f.indices for f in rank_frames])
             values = np.concatenate([f.values.reshape(-1, BLOCK) for f in rank_frames])
-            order = np.argsort(indices, kind="stable")  # runs already sorted per rank: a merge; rank order kept
-            indices = indices[order]
-            firsts = np.flatnonzero(np.concatenate(([True], indices[1:] != indices[:-1])))
             summed = np.add.reduceat(values[order], firsts, axis=0) if firsts.size else values[:0].copy()
             summed /= world
-            results.append((torch.from_numpy(indices[firsts].astype(np.int32)), torch.from_numpy(summed)))
+            results.append((torch.from_numpy(ids[firsts].astype(np.int32)), torch.from_numpy(summed)))
         return results
 
 
@@ -126,6 +124,17 @@ class _ResultBuffer:
     def fill(self, codec: _BucketCodec, gathered: torch.Tensor, world: int) -> torch.Tensor:
         self.nonzero = codec.average_into(gathered, world, self.tensor, self.nonzero)
         return self.tensor
+
+
+def _merge(index_lists: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ranks' sorted block-id lists merged: (the stable order that sorts their concatenation,
+    the sorted ids, where each distinct id starts among them). Equal ids keep rank order."""
+    ids = np.concatenate(index_lists)
+    order = np.argsort(ids, kind="stable")  # sorted runs, one per rank: a merge
+    ids = ids[order]
+    starts = np.ones(ids.shape[0], dtype=bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    return order, ids, np.flatnonzero(starts)
 
 
 def _blocks_of(segment: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

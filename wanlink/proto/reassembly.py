@@ -36,7 +36,7 @@ class Incoming:
     total: int | None = None  # known once a chunk arrived
     received: int = 0
     chunks: dict = dataclasses.field(default_factory=dict)  # offset -> length of every chunk received
-    staged: dict = dataclasses.field(default_factory=dict)  # offset -> bytearray, while unclaimed
+    staged: dict = dataclasses.field(default_factory=dict)  # offset -> staging buffer, while unclaimed
     landing: dict = dataclasses.field(default_factory=dict)  # offset -> (view, staged?) of chunks in progress
     error: Exception | None = None
     done: bool = False
@@ -73,7 +73,7 @@ class Reassembler:
         self._scratch = memoryview(bytearray(min(SCRATCH_SIZE, limits.max_frame_payload)))
         self.unexpected_bytes = 0
         self.duplicate_chunks = 0
-        self._spare: dict[int, list[bytearray]] = {}  # size -> staging buffers free for reuse
+        self._spare: dict[int, list] = {}  # size -> staging buffers (bytearray or uint8 array) free for reuse
         self._spare_bytes = 0
 
     # -- application side -------------------------------------------------------------------
@@ -94,11 +94,7 @@ class Reassembler:
         if entry.total is not None and entry.total != len(buffer):
             entry.error = _size_error(tag, entry.total, len(buffer))
         for offset in [o for o in entry.staged if o not in entry.landing]:  # chunks still arriving move later
-            data = entry.staged.pop(offset)
-            if entry.error is None:
-                buffer[offset:offset + len(data)] = data
-            self.unexpected_bytes -= len(data)
-            self._recycle(data)
+            self._unstage(entry, offset)
         if entry.error is not None or entry.complete:
             self._finish(entry)
         return entry
@@ -190,7 +186,7 @@ class Reassembler:
         return entry
 
     def _stage(self, entry: Incoming, offset: int, data, size: int | None = None):
-        """Hold a chunk of an unclaimed message (a copy of ``data``, or ``size`` empty bytes)."""
+        """Hold a chunk of an unclaimed message (a copy of ``data``, or room for ``size`` bytes)."""
         size = len(data) if data is not None else size
         self._limits.check("max_unexpected_bytes", self.unexpected_bytes + size,
                            f"chunk of tag={entry.tag} seq={entry.seq} held before a matching recv")
@@ -203,6 +199,14 @@ class Reassembler:
         entry.staged[offset] = staged
         self.unexpected_bytes += size
         return staged
+
+    def _unstage(self, entry: Incoming, offset: int) -> None:
+        """Move a staged chunk into the claimed message's buffer (unless it failed) and free its staging."""
+        data = entry.staged.pop(offset)
+        if entry.error is None:
+            entry.buffer[offset:offset + len(data)] = data
+        self.unexpected_bytes -= len(data)
+        self._recycle(data)
 
     def _take_spare(self, size: int):
         buffers = self._spare[size]
@@ -228,11 +232,7 @@ class Reassembler:
         if was_staged is None:  # went to the scratch sink (failed message)
             return
         if was_staged and entry.buffer is not None:  # claimed while this chunk was arriving
-            data = entry.staged.pop(offset)
-            if entry.error is None:
-                entry.buffer[offset:offset + len(data)] = data
-            self.unexpected_bytes -= len(data)
-            self._recycle(data)
+            self._unstage(entry, offset)
         elif not was_staged and entry.buffer is None:  # given back while this chunk was arriving
             self._stage(entry, offset, view)
 
