@@ -430,9 +430,8 @@ class LinkCounters:
         self.received = [c * self.recv_chunk for c in st["chunks_received_per_stream"]]
 
     def socket_of(self, index: int):
-        # wanlink.io exposes no per-stream socket; this private read only feeds TCP_INFO columns
-        streams = getattr(self.link, "_streams", None)
-        return streams[index].sock if streams and index < len(streams) else None
+        sockets = self.link.stream_sockets()
+        return sockets[index] if index < len(sockets) else None
 
 
 class LinkChannel:

@@ -429,6 +429,10 @@ class Link:
                 total += acked
         return total
 
+    def stream_sockets(self) -> list[socket.socket | None]:
+        """Each stream's socket by stream index (None once that stream died), for TCP_INFO readers."""
+        return [stream.sock if stream.alive else None for stream in self._streams]
+
     def stats(self) -> dict:
         """Counters for this link (safe to read from any thread)."""
         streams = self._streams

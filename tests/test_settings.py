@@ -1,0 +1,47 @@
+"""The one settings surface: parsing, clear errors, and the documentation table kept in step."""
+from pathlib import Path
+
+import pytest
+
+from wanlink import settings
+from wanlink.errors import ConfigError
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+
+def test_empty_environment_gives_the_defaults():
+    assert settings.from_env({}) == settings.Settings()
+
+
+def test_values_are_parsed_into_typed_fields():
+    parsed = settings.from_env({
+        "WANLINK_STREAMS": "8", "WANLINK_UNIX": "0", "WANLINK_COMPRESS": "yes", "WANLINK_SECRET": "s",
+        "WANLINK_CHUNK_SIZE": str(1 << 20), "WANLINK_PIECE_BYTES": "65536", "WANLINK_ADDR": " ",
+    })
+    assert parsed.streams == 8 and parsed.unix is False and parsed.compress is True
+    assert parsed.secret == "s" and parsed.chunk_size == 1 << 20 and parsed.piece_bytes == 65536
+    assert parsed.addr is None
+
+
+def test_streams_auto_is_kept_apart_from_unset():
+    assert settings.from_env({"WANLINK_STREAMS": "AUTO"}).streams == "auto"
+    assert settings.from_env({"WANLINK_STREAMS": ""}).streams is None
+
+
+@pytest.mark.parametrize("name, value", [
+    ("WANLINK_STREAMS", "many"), ("WANLINK_STREAMS", "0"), ("WANLINK_STREAMS", "65"),
+    ("WANLINK_CHUNK_SIZE", "1024"), ("WANLINK_UNIX", "maybe"), ("WANLINK_PIECE_BYTES", "0"),
+    ("WANLINK_DIRECT_MAX_BYTES", "-1"), ("WANLINK_GC_FREEZE", "2"),
+])
+def test_a_bad_value_names_the_variable(name, value):
+    with pytest.raises(ConfigError, match=name):
+        settings.from_env({name: value})
+
+
+def test_every_field_has_one_variable():
+    fields = [f.name for f in settings.dataclasses.fields(settings.Settings)]
+    assert sorted(v.field for v in settings.VARIABLES) == sorted(fields)
+
+
+def test_documentation_table_matches_the_code():
+    assert settings.markdown_table() in DOCS.read_text()
