@@ -146,6 +146,23 @@ def tcp_bytes_acked(sock: socket.socket) -> int | None:
     return _TCP_INFO_BYTES_ACKED.unpack_from(raw, _TCP_INFO_BYTES_ACKED_OFFSET)[0] + sacked * mss
 
 
+_TCP_INFO_RTT_OFFSET = 68  # tcpi_rtt, microseconds (smoothed)
+
+
+def tcp_rtt_s(sock: socket.socket) -> float | None:
+    """The kernel's smoothed round-trip time of this TCP socket in seconds; None where unknown."""
+    if not hasattr(socket, "TCP_INFO") or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    end = _TCP_INFO_RTT_OFFSET + _TCP_INFO_U32.size
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, end)
+    except OSError:
+        return None
+    if len(raw) < end:
+        return None
+    return _TCP_INFO_U32.unpack_from(raw, _TCP_INFO_RTT_OFFSET)[0] / 1e6 or None
+
+
 def congestion_of(sock: socket.socket) -> str:
     raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
     return raw.split(b"\0", 1)[0].decode()

@@ -4,8 +4,9 @@ A message of at most ``window`` bytes is sent eagerly. A larger one sends its fi
 bytes eagerly and the rest only once the receiver grants the message, which it does when the
 receive is posted (a GRANT frame naming (tag, seq); a receive posted before the message is sent
 grants it ahead). Eager bytes are paid for with link-wide credit: the receiver advertises
-``Limits.max_unexpected_bytes`` when the link starts and returns credit (CREDIT frames) as eager
-bytes leave its staging, so whatever the two applications do, the receiver stages at most that
+``Limits.max_unexpected_bytes`` when the link starts and returns credit as eager bytes leave its
+staging. A CREDIT frame carries the total ever granted, so a frame repeated after a stream died,
+or overtaken by a later one, changes nothing (GRANT and ANNOUNCE are idempotent too). So whatever the two applications do, the receiver stages at most that
 many bytes for receives nobody posted yet. A late receiver therefore costs the sender time
 (its send waits for the grant), never the link.
 
@@ -43,8 +44,10 @@ class _Held:
 
     tag: int
     seq: int
+    total: int
     eager: collections.deque  # (item, size) within the window, waiting for credit
     rest: list  # (item, size) beyond the window, waiting for the grant
+    begun: bool = False  # some chunk of it was released
 
 
 class SendFlow:
@@ -57,6 +60,8 @@ class SendFlow:
 
     def __init__(self, max_grants: int, credit: int = 0):
         self.credit = credit  # eager bytes the receiver will accept now
+        self.budget = credit  # the receiver's staging budget: the first credit it advertised
+        self._granted_total = credit  # the receiver's cumulative credit, as last heard
         self._max_grants = max_grants
         self._grants: set[tuple[int, int]] = set()  # granted before this side started sending them
         self._held: dict[tuple[int, int], _Held] = {}
@@ -67,7 +72,7 @@ class SendFlow:
         return len(self._held)
 
     def start(self, tag: int, seq: int, items: list[tuple[Any, int]], window: int) -> tuple[list, bool]:
-        """A new message of chunks ``items`` ((item, size) in offset order); returns the released
+        """A new message of ``total`` bytes in chunks ``items`` ((item, size) in offset order); returns the released
         pairs and whether the receiver must be told the message exists (nothing of it released)."""
         if self._grants and (tag, seq) in self._grants:
             self._grants.remove((tag, seq))
@@ -76,7 +81,7 @@ class SendFlow:
         for item, size in items:
             (eager if sent < window or not sent else rest).append((item, size))
             sent += size
-        held = _Held(tag, seq, eager, rest)
+        held = _Held(tag, seq, sent, eager, rest)
         released = [] if self._waiting else self._spend(held)
         if held.eager:
             self._waiting.append(held)
@@ -99,11 +104,16 @@ class SendFlow:
             self._grants.add((tag, seq))
         return []  # (a message released in full already, or a receive re-posted after a cancel)
 
-    def on_credit(self, nbytes: int) -> list:
-        """The receiver returned (or first advertised) ``nbytes`` of eager credit."""
-        if nbytes <= 0 or self.credit + nbytes > MAX_CREDIT:
-            raise ProtocolError(f"peer sent a credit of {nbytes} bytes (holding {self.credit})")
-        self.credit += nbytes
+    def on_credit(self, granted_total: int) -> list:
+        """The receiver has granted ``granted_total`` eager bytes since the link started."""
+        more = granted_total - self._granted_total
+        if more <= 0:  # repeated or overtaken
+            return []
+        if self.credit + more > MAX_CREDIT:
+            raise ProtocolError(f"peer granted {more} bytes of credit on top of {self.credit}")
+        self._granted_total = granted_total
+        self.credit += more
+        self.budget = self.budget or more
         released = []
         while self._waiting:
             held = self._waiting[0]
@@ -114,6 +124,11 @@ class SendFlow:
             if not held.rest:
                 self._held.pop((held.tag, held.seq), None)
         return released
+
+    def waiting_announced(self) -> list[tuple[int, int, int]]:
+        """(tag, seq, total) of every message of which nothing was released yet (to announce again)."""
+        return [(h.tag, h.seq, h.total) for h in self._held.values()
+                if not h.begun]
 
     def forget(self) -> None:
         """Drop every held chunk and grant (the link failed)."""
@@ -127,4 +142,5 @@ class SendFlow:
             item, size = held.eager.popleft()
             self.credit -= size
             released.append((item, True))
+            held.begun = True
         return released

@@ -85,6 +85,7 @@ class Reassembler:
         self._incoming: dict[tuple[int, int], Incoming] = {}
         self._scratch = memoryview(bytearray(0))
         self.unexpected_bytes = 0  # bytes staged now (eager chunks plus chunks of cancelled receives)
+        self.peak_unexpected_bytes = 0
         self.eager_bytes = 0  # bytes of eager chunks charged and not yet due back to the peer
         self._credit_due = 0
         self.duplicate_chunks = 0
@@ -137,10 +138,12 @@ class Reassembler:
 
     # -- wire side --------------------------------------------------------------------------
     def announce(self, header: Header) -> None:
-        """The peer started message (tag, seq) of ``header.total`` bytes but waits for its grant."""
-        if header.tag < 0 or self._tags.setdefault(header.tag, _TagState()).is_completed(header.seq):
-            raise ProtocolError(f"announcement of tag={header.tag} seq={header.seq}, a reserved tag or finished message")
-        self._entry_for(header)
+        """The peer started message (tag, seq) of ``header.total`` bytes but waits for its grant.
+        (An announcement overtaken by the message's chunks, on another stream, may come after it finished.)"""
+        if header.tag < 0:
+            raise ProtocolError(f"announcement on reserved tag {header.tag}")
+        if not self._tags.setdefault(header.tag, _TagState()).is_completed(header.seq):
+            self._entry_for(header)
 
     def place(self, header: Header) -> memoryview:
         """Where the raw bytes of this DATA chunk go."""
@@ -259,6 +262,7 @@ class Reassembler:
             staged = np.empty(size, dtype=np.uint8)  # the chunk overwrites it: no zeroing pass
         entry.staged[offset] = staged
         self.unexpected_bytes += size
+        self.peak_unexpected_bytes = max(self.peak_unexpected_bytes, self.unexpected_bytes)
         return staged
 
     def _unstage(self, entry: Incoming, offset: int) -> None:
