@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 _install_torch_backend()  # registers backend "wanlink" with torch.distributed, now or once it is imported
 
 _LAZY = {
-    "connect": ("wanlink.io.link", "connect"),
-    "serve": ("wanlink.io.server", "serve"),
+    "connect": ("wanlink.endpoints", "connect"),
+    "serve": ("wanlink.endpoints", "serve"),
     "stats": ("wanlink.io.registry", "stats"),
     "Link": ("wanlink.io.link", "Link"),
 }

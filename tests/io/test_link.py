@@ -10,9 +10,9 @@ import pytest
 
 import wanlink
 from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, MessageSizeError, PeerLost, ProtocolError
-from wanlink.io.link import PROBE_DISCARD_TAG
 from wanlink.proto.frames import data_header
 from wanlink.proto.limits import Limits
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG
 from tests.io.conftest import SECRET, open_pair, proxied_pair
 
 pytestmark = pytest.mark.asyncio

@@ -4,7 +4,7 @@ import pytest
 from wanlink.errors import LimitExceeded, MessageSizeError, ProtocolError
 from wanlink.proto.frames import FrameType, Header
 from wanlink.proto.limits import Limits
-from wanlink.proto.reassembly import DISCARD_TAG, Reassembler
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Reassembler
 
 
 def chunk(tag, seq, total, offset, length):
@@ -211,7 +211,7 @@ def test_unpost_restages_and_next_post_gets_the_same_message():
 
 def test_discard_tag_goes_to_scratch_and_other_negative_tags_are_errors():
     r = Reassembler()
-    assert deliver(r, chunk(DISCARD_TAG, 0, 100, 0, 100), bytes(100)) is None
+    assert deliver(r, chunk(PROBE_DISCARD_TAG, 0, 100, 0, 100), bytes(100)) is None
     with pytest.raises(ProtocolError, match="reserved"):
         r.place(chunk(-2, 0, 1, 0, 1))
     with pytest.raises(ValueError):

@@ -1,4 +1,4 @@
-"""serve(): accept authenticated streams, assemble them into Links, hand each Link to on_link."""
+"""start_server(): accept authenticated streams, assemble them into Links, hand each Link to on_link."""
 from __future__ import annotations
 
 import asyncio
@@ -8,10 +8,11 @@ import socket
 
 from wanlink.errors import AuthenticationError, PeerLost, ProtocolError, WanlinkError
 from wanlink.io import registry
-from wanlink.io.link import DEFAULT_TIMEOUT, PROBE_META_KEY, Link
+from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly, unix_listener
-from wanlink.proto.handshake import ServerHandshake, Status, normalize_secret
+from wanlink.proto.handshake import PROBE_META_KEY, ServerHandshake, Status, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+from wanlink.sched.chunking import chunk_size_from
 
 
 @dataclasses.dataclass
@@ -217,17 +218,20 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = None,
-                timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS, backlog: int = 128,
-                chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
-                compress: bool = False, checksum: bool = False, unix: bool = False) -> Server:
+async def start_server(host: str, port: int, *, on_link, secret: bytes | str, timeout: float = DEFAULT_TIMEOUT,
+                       limits: Limits = DEFAULT_LIMITS, backlog: int = 128, chunk_size: int | None = None,
+                       congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
+                       checksum: bool = False, unix: bool = False) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
+
+    Everything is resolved already (``wanlink.serve`` reads the settings for what it is not given).
 
     ``unix=True`` also listens on an abstract Unix socket (``server.unix_name``) for processes of
     the same host and network namespace: the same handshake; sending costs a third less CPU per
     byte than over TCP loopback (bench/loopback_throughput.py --paths tcp unix).
     """
     key = normalize_secret(secret)
+    chunk_size_from(chunk_size)  # a bad size fails now, not at each link
     if not key:
         log.warning("wanlink: serving on %s:%s without authentication (empty secret)", host, port)
     try:

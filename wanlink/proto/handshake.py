@@ -31,6 +31,8 @@ CHALLENGE = struct.Struct("<4sHB32s32s")
 PROOF_SIZE = 32
 RESULT_SIZE = 1
 NONCE_SIZE = 32
+PROBE_META_KEY = "wanlink_probe"
+"""In stream 0's metadata: the link carries only probe traffic; a server keeps it from its application."""
 
 
 class Status(enum.IntEnum):
@@ -49,12 +51,8 @@ _STATUS_TEXT = {
 }
 
 
-def normalize_secret(secret: bytes | str | None) -> bytes:
-    """Secrets are bytes or str; None reads WANLINK_SECRET (and fails when unset)."""
-    if secret is None:
-        secret = os.environ.get("WANLINK_SECRET")
-        if secret is None:
-            raise ConfigError("no shared secret: pass secret= or set WANLINK_SECRET (\"\" for unauthenticated)")
+def normalize_secret(secret: bytes | str) -> bytes:
+    """A secret given as bytes or str, as bytes (the edges resolve an omitted one from WANLINK_SECRET)."""
     if isinstance(secret, str):
         return secret.encode()
     if isinstance(secret, (bytes, bytearray, memoryview)):

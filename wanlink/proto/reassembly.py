@@ -5,7 +5,7 @@ tag are matched to messages in order. A chunk of a message nobody posted a buffe
 staged on its own (so a post that comes a moment late copies only the chunks that came early),
 in memory bounded by ``Limits.max_unexpected_bytes``. A chunk seen before (re-sent after a stream
 died) is routed to a scratch sink and not counted twice. Negative tags are reserved:
-``DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
+``PROBE_DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from wanlink.errors import MessageSizeError, ProtocolError
 from wanlink.proto.frames import Header
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
-DISCARD_TAG = -1
+PROBE_DISCARD_TAG = -1  # data sent on this tag is received, acknowledged and dropped by the peer
 SCRATCH_SIZE = 16 * 1024 * 1024
 SPARE_STAGING_BYTES = 64 * 1024 * 1024
 """Staging buffers kept for reuse once their chunk moved to a posted buffer: chunks that arrive
@@ -121,7 +121,7 @@ class Reassembler:
     def place(self, header: Header) -> memoryview:
         """Where the raw bytes of this DATA chunk go."""
         if header.tag < 0:
-            if header.tag != DISCARD_TAG:
+            if header.tag != PROBE_DISCARD_TAG:
                 raise ProtocolError(f"data on reserved tag {header.tag}")
             return self.scratch_view(header.raw_len)
         state = self._tags.setdefault(header.tag, _TagState())
