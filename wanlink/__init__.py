@@ -9,10 +9,12 @@ from wanlink.errors import (
     DeadlineExceeded,
     DesyncError,
     LimitExceeded,
+    LocalProtocolError,
     MessageSizeError,
     NonFiniteGradientError,
     PeerLost,
     ProtocolError,
+    RemoteProtocolError,
     UnsupportedError,
     WanlinkError,
 )
@@ -30,8 +32,9 @@ _LAZY = {
 }
 
 __all__ = [
-    "AuthenticationError", "ConfigError", "DeadlineExceeded", "DesyncError", "LimitExceeded",
-    "MessageSizeError", "NonFiniteGradientError", "PeerLost", "ProtocolError", "UnsupportedError", "WanlinkError",
+    "AuthenticationError", "ConfigError", "DeadlineExceeded", "DesyncError", "LimitExceeded", "LocalProtocolError",
+    "MessageSizeError", "NonFiniteGradientError", "PeerLost", "ProtocolError", "RemoteProtocolError",
+    "UnsupportedError", "WanlinkError",
     *_LAZY,
 ]
 

@@ -6,7 +6,7 @@ import collections
 import os
 import socket
 
-from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, ProtocolError, WanlinkError
+from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
     close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly, tcp_bytes_acked,
@@ -157,7 +157,7 @@ class Link:
         view = byte_view(buffer)
         _check_tag(tag, allow_discard=True)
         self._raise_if_failed()
-        self.limits.check("max_transfer_size", len(view), f"send on tag {tag}")
+        self.limits.check_outgoing("max_transfer_size", len(view), f"send on tag {tag}")
         seq = self._next_send_seq.get(tag, 0)
         self._next_send_seq[tag] = seq + 1
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
@@ -214,7 +214,7 @@ class Link:
         """Send one small msgpack-able control message (ordered per stream, not across)."""
         self._raise_if_failed()
         payload = pack_message(message)
-        self.limits.check("max_control_size", len(payload), "outgoing control message")
+        self.limits.check_outgoing("max_control_size", len(payload), "outgoing control message")
         stream = min((s for s in self._streams if s.alive), key=lambda s: len(s.control))
         stream.queue_control(control_header(len(payload)) + payload)
 
@@ -257,7 +257,7 @@ class Link:
             if header.seq < self._next_send_seq.get(header.tag, 0):
                 self.duplicate_acks += 1
                 return
-            raise ProtocolError(f"ack for tag={header.tag} seq={header.seq}, a message never sent")
+            raise RemoteProtocolError(f"ack for tag={header.tag} seq={header.seq}, a message never sent")
         transfer, done = pending
         if transfer.ack(header.offset, header.raw_len):
             stream.in_flight.pop((header.tag, header.seq, header.offset), None)

@@ -6,7 +6,7 @@ import dataclasses
 import inspect
 import socket
 
-from wanlink.errors import AuthenticationError, PeerLost, ProtocolError, WanlinkError
+from wanlink.errors import AuthenticationError, LocalProtocolError, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly, unix_listener
@@ -103,7 +103,7 @@ class Server:
         while handshake.stream is None:
             wanted = handshake.bytes_wanted()
             if len(data) > wanted:
-                raise ProtocolError(f"{len(data)} prefix bytes exceed the {wanted}-byte handshake message")
+                raise LocalProtocolError(f"{len(data)} prefix bytes exceed the {wanted}-byte handshake message")
             data += await recv_exactly(loop, sock, wanted - len(data))
             reply, data = handshake.receive(data), b""
         hello = handshake.stream
@@ -111,7 +111,7 @@ class Server:
         status = self._admission(hello, pending)
         if status is not Status.OK:
             await loop.sock_sendall(sock, handshake.reject(status))
-            raise ProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+            raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
         await loop.sock_sendall(sock, reply)
         try:
             result = handshake.receive(await recv_exactly(loop, sock, handshake.bytes_wanted()))
@@ -122,7 +122,7 @@ class Server:
         status = self._admission(hello, pending)
         if status is not Status.OK:
             await loop.sock_sendall(sock, bytes([status]))
-            raise ProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+            raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
         await loop.sock_sendall(sock, result)
         if pending is None:
             pending = _PendingLink(hello.count)

@@ -14,7 +14,7 @@ import heapq
 
 import numpy as np
 
-from wanlink.errors import MessageSizeError, ProtocolError
+from wanlink.errors import LocalProtocolError, MessageSizeError, RemoteProtocolError
 from wanlink.proto.frames import Header
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
@@ -80,7 +80,7 @@ class Reassembler:
     def post(self, tag: int, buffer: memoryview) -> Incoming:
         """Claim the next message on ``tag`` for ``buffer``; chunks that came early are copied in now."""
         if tag < 0:
-            raise ValueError(f"tag {tag} is reserved (negative tags are wanlink-internal)")
+            raise LocalProtocolError(f"tag {tag} is reserved (negative tags are wanlink-internal)")
         state = self._tags.setdefault(tag, _TagState())
         if state.returned_seqs:
             seq = heapq.heappop(state.returned_seqs)
@@ -122,7 +122,7 @@ class Reassembler:
         """Where the raw bytes of this DATA chunk go."""
         if header.tag < 0:
             if header.tag != PROBE_DISCARD_TAG:
-                raise ProtocolError(f"data on reserved tag {header.tag}")
+                raise RemoteProtocolError(f"data on reserved tag {header.tag}")
             return self.scratch_view(header.raw_len)
         state = self._tags.setdefault(header.tag, _TagState())
         if state.is_completed(header.seq):
@@ -135,7 +135,7 @@ class Reassembler:
             if entry.buffer is not None and len(entry.buffer) != header.total:
                 entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
         elif entry.total != header.total:
-            raise ProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
+            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
         if header.offset in entry.chunks or entry.error is not None:
             return self.scratch_view(header.raw_len)
         if entry.buffer is not None:
@@ -165,7 +165,7 @@ class Reassembler:
         entry.chunks[header.offset] = header.raw_len
         entry.received += header.raw_len
         if entry.received > entry.total:
-            raise ProtocolError(f"message tag={header.tag} seq={header.seq} received more than {entry.total} bytes")
+            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} received more than {entry.total} bytes")
         if entry.done:  # failed earlier: forget it once its remaining chunks are drained
             if entry.complete:
                 self._retire(entry)

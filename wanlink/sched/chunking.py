@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from wanlink.errors import ConfigError, ProtocolError
+from wanlink.errors import ConfigError, RemoteProtocolError
 
 MIN_CHUNK_SIZE = 256 * 1024
 MAX_CHUNK_SIZE = 4 * 1024 * 1024
@@ -67,7 +67,7 @@ class OutgoingTransfer:
         """Record the peer's ack of the chunk at ``offset``; True when it was new."""
         chunk = self._by_offset.get(offset)
         if chunk is None or len(chunk.view) != length:
-            raise ProtocolError(f"ack for [{offset}, {offset + length}) matches no chunk of tag={self.tag} seq={self.seq}")
+            raise RemoteProtocolError(f"ack for [{offset}, {offset + length}) matches no chunk of tag={self.tag} seq={self.seq}")
         if chunk.acked:
             return False
         chunk.acked = True
