@@ -3,22 +3,26 @@ from __future__ import annotations
 
 import msgpack
 
-from wanlink.errors import LimitExceeded, ProtocolError
+from wanlink.errors import LimitExceeded, LocalProtocolError, ProtocolError, RemoteProtocolError
 from wanlink.proto.frames import FrameType, control_header
 
 ABORT_TEXT_MAX = 2000  # characters of the error's text an ABORT carries
 
 
 def pack_message(message) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+    """Encode one message; LocalProtocolError when msgpack cannot carry it."""
+    try:
+        return msgpack.packb(message, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"cannot encode {type(message).__name__} as a msgpack message: {exc}") from None
 
 
 def unpack_message(payload: bytes, what: str = "control message"):
-    """Decode one msgpack message whose length the caller already bounded; ProtocolError if malformed."""
+    """Decode one msgpack message whose length the caller already bounded; RemoteProtocolError if malformed."""
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise ProtocolError(f"malformed {what}: {exc}") from None
+        raise RemoteProtocolError(f"malformed {what}: {exc}") from None
 
 
 def abort_reason(exc: BaseException) -> str:
@@ -40,5 +44,5 @@ def unpack_abort(payload: bytes) -> tuple[str, str]:
     """(code, text) of an ABORT payload; ProtocolError if it is not two strings."""
     message = unpack_message(payload, "ABORT reason")
     if not (isinstance(message, list) and len(message) == 2 and all(isinstance(part, str) for part in message)):
-        raise ProtocolError(f"malformed ABORT reason {message!r:.100}")
+        raise RemoteProtocolError(f"malformed ABORT reason {message!r:.100}")
     return message[0], message[1]

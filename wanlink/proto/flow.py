@@ -19,7 +19,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from wanlink.errors import ProtocolError
+from wanlink.errors import RemoteProtocolError
 from wanlink.proto.limits import MiB
 
 MIN_EAGER_WINDOW = 8 * MiB
@@ -99,7 +99,7 @@ class SendFlow:
             return released
         if not started:  # posted before we sent it: it goes in full when sent
             if len(self._grants) >= self._max_grants:
-                raise ProtocolError(f"peer granted more than {self._max_grants} messages not sent yet "
+                raise RemoteProtocolError(f"peer granted more than {self._max_grants} messages not sent yet "
                                     f"(latest tag={tag} seq={seq})")
             self._grants.add((tag, seq))
         return []  # (a message released in full already, or a receive re-posted after a cancel)
@@ -110,7 +110,7 @@ class SendFlow:
         if more <= 0:  # repeated or overtaken
             return []
         if self.credit + more > MAX_CREDIT:
-            raise ProtocolError(f"peer granted {more} bytes of credit on top of {self.credit}")
+            raise RemoteProtocolError(f"peer granted {more} bytes of credit on top of {self.credit}")
         self._granted_total = granted_total
         self.credit += more
         self.budget = self.budget or more

@@ -14,7 +14,7 @@ Flow control (receiver side of ``wanlink.proto.flow``): a chunk the peer sent on
 (``FLAG_EAGER``) is charged against ``Limits.max_unexpected_bytes`` until its bytes left staging;
 then the credit is due back to the peer (``take_credit``). Posting a receive grants its message:
 any other chunk of a message that was never granted is the peer ignoring flow control. Negative
-tags are reserved: ``DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
+tags are reserved: ``PROBE_DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import heapq
 
 import numpy as np
 
-from wanlink.errors import MessageSizeError, ProtocolError
+from wanlink.errors import LocalProtocolError, MessageSizeError, RemoteProtocolError
 from wanlink.proto.frames import FLAG_EAGER, Header
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
-DISCARD_TAG = -1
+PROBE_DISCARD_TAG = -1  # data sent on this tag is received, acknowledged and dropped by the peer
 SPARE_STAGING_BYTES = 64 * 1024 * 1024
 """Staging buffers kept for reuse once their chunk moved to a posted buffer: chunks that arrive
 before their receive is posted (a peer entering a collective late) then cost a copy, not fresh
@@ -96,7 +96,7 @@ class Reassembler:
     def post(self, tag: int, buffer: memoryview) -> Incoming:
         """Claim the next message on ``tag`` for ``buffer``; chunks that came early are copied in now."""
         if tag < 0:
-            raise ValueError(f"tag {tag} is reserved (negative tags are wanlink-internal)")
+            raise LocalProtocolError(f"tag {tag} is reserved (negative tags are wanlink-internal)")
         state = self._tags.setdefault(tag, _TagState())
         if state.returned_seqs:
             seq = heapq.heappop(state.returned_seqs)
@@ -141,15 +141,15 @@ class Reassembler:
         """The peer started message (tag, seq) of ``header.total`` bytes but waits for its grant.
         (An announcement overtaken by the message's chunks, on another stream, may come after it finished.)"""
         if header.tag < 0:
-            raise ProtocolError(f"announcement on reserved tag {header.tag}")
+            raise RemoteProtocolError(f"announcement on reserved tag {header.tag}")
         if not self._tags.setdefault(header.tag, _TagState()).is_completed(header.seq):
             self._entry_for(header)
 
     def place(self, header: Header) -> memoryview:
         """Where the raw bytes of this DATA chunk go."""
         if header.tag < 0:
-            if header.tag != DISCARD_TAG:
-                raise ProtocolError(f"data on reserved tag {header.tag}")
+            if header.tag != PROBE_DISCARD_TAG:
+                raise RemoteProtocolError(f"data on reserved tag {header.tag}")
             return self.scratch_view(header.raw_len)
         state = self._tags.setdefault(header.tag, _TagState())
         if state.is_completed(header.seq):
@@ -218,7 +218,7 @@ class Reassembler:
             if entry.buffer is not None and len(entry.buffer) != header.total:
                 entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
         elif entry.total != header.total:
-            raise ProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
+            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
         return entry
 
     def _charge(self, entry: Incoming, header: Header) -> None:
@@ -230,7 +230,7 @@ class Reassembler:
             self.eager_bytes += header.raw_len
             entry.charged.add(header.offset)
         elif not entry.granted:
-            raise ProtocolError(f"the peer sent {where} without eager credit before its receive was posted "
+            raise RemoteProtocolError(f"the peer sent {where} without eager credit before its receive was posted "
                                 f"(it ignored flow control)")
 
     def _release(self, entry: Incoming, offset: int) -> None:
@@ -331,17 +331,17 @@ def _claim(entry: Incoming, offset: int, length: int) -> str:
     known = entry.spans.get(offset)
     if known is not None:
         if known != length:
-            raise ProtocolError(f"chunk [{offset}, {offset + length}) of {where} overlaps chunk "
+            raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) of {where} overlaps chunk "
                                 f"[{offset}, {offset + known}) with another length")
         return _DUPLICATE if offset in entry.chunks else _RESENT
     if length == 0 and entry.total:
-        raise ProtocolError(f"empty chunk at offset {offset} of {where} ({entry.total} bytes)")
+        raise RemoteProtocolError(f"empty chunk at offset {offset} of {where} ({entry.total} bytes)")
     starts = entry.starts
     i = bisect.bisect(starts, offset)
     for other in starts[max(i - 1, 0):i + 1]:
         end = other + entry.spans[other]
         if other < offset + length and offset < end:
-            raise ProtocolError(f"chunk [{offset}, {offset + length}) of {where} overlaps chunk [{other}, {end})")
+            raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) of {where} overlaps chunk [{other}, {end})")
     starts.insert(i, offset)
     entry.spans[offset] = length
     return _NEW
