@@ -13,7 +13,7 @@ from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, Mess
 from wanlink.io.link import PROBE_DISCARD_TAG
 from wanlink.proto.frames import data_header
 from wanlink.proto.limits import Limits
-from tests.io.conftest import SECRET, open_pair, proxied_pair
+from tests.support.links import SECRET, open_pair, proxied_pair
 
 pytestmark = pytest.mark.asyncio
 MiB = 1024 * 1024

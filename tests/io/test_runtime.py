@@ -8,7 +8,7 @@ import pytest
 import wanlink
 from wanlink.errors import DeadlineExceeded
 from wanlink.io.runtime import Runtime, get_runtime, shutdown_runtime
-from tests.io.conftest import open_pair
+from tests.support.links import open_pair
 
 
 def open_fds() -> int:

@@ -1,6 +1,5 @@
 """choose_streams over real loopback Links (outcomes only: never timing)."""
 import asyncio
-import socket
 
 import pytest
 
@@ -8,6 +7,7 @@ import wanlink
 from wanlink.errors import AuthenticationError, ConfigError, PeerLost
 from wanlink.probe.chunk import MAX_CHUNK, MIN_CHUNK
 from wanlink.io.link import DEFAULT_STREAMS, PROBE_META_KEY
+from tests.support.ports import refused_port
 from wanlink.probe.driver import MIN_INFLIGHT_BYTES, STREAM_INFLIGHT_BYTES, StepTiming, choose_streams, inflight_bytes_for
 
 SECRET = b"probe-test-secret"
@@ -86,10 +86,7 @@ async def test_probe_with_wrong_secret_fails_with_authentication_error():
 
 @pytest.mark.asyncio
 async def test_probe_of_a_closed_port_fails_with_peer_lost():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(PeerLost):
+    with refused_port() as port, pytest.raises(PeerLost):
         await asyncio.wait_for(choose_streams("127.0.0.1", port, secret=SECRET, max_streams=2, timeout=5.0), LIMIT)
 
 
