@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import wanlink
-from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, MessageSizeError, PeerLost, ProtocolError
+from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, MessageSizeError, PeerLost
 from wanlink.io.link import PROBE_DISCARD_TAG
 from wanlink.proto.frames import data_header
 from wanlink.proto.limits import Limits

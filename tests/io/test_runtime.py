@@ -98,4 +98,4 @@ def test_streams_from_environment(monkeypatch):
 def test_public_api_is_importable_lazily():
     assert callable(wanlink.connect) and callable(wanlink.serve) and callable(wanlink.stats)
     with pytest.raises(AttributeError):
-        wanlink.not_a_thing
+        _ = wanlink.not_a_thing

@@ -8,7 +8,9 @@ from wanlink.errors import AuthenticationError, ConfigError, PeerLost
 from wanlink.probe.chunk import MAX_CHUNK, MIN_CHUNK
 from wanlink.io.link import DEFAULT_STREAMS, PROBE_META_KEY
 from tests.support.ports import refused_port
-from wanlink.probe.driver import MIN_INFLIGHT_BYTES, STREAM_INFLIGHT_BYTES, StepTiming, choose_streams, inflight_bytes_for
+from wanlink.probe.driver import (
+    MIN_INFLIGHT_BYTES, STREAM_INFLIGHT_BYTES, StepTiming, choose_streams, inflight_bytes_for,
+)
 
 SECRET = b"probe-test-secret"
 LIMIT = 60.0
@@ -60,7 +62,7 @@ async def test_connect_probes_when_streams_is_auto(monkeypatch):
                 if peer.links:
                     break
                 await asyncio.sleep(0.05)
-            assert [l.streams for l in peer.links] == [link.streams]
+            assert [accepted.streams for accepted in peer.links] == [link.streams]
             assert not peer.links[0].peer_meta.get(PROBE_META_KEY)
         finally:
             await link.close()

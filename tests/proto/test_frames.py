@@ -172,8 +172,10 @@ def _decode(blob, piece_sizes):
 def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():
     """Every byte is fed exactly once, and how the bytes are split never changes what is decoded."""
     rng = random.Random(1234)
-    valid = [data_frame(1, 0, 64, 0, bytes(64)), PING_FRAME, ack_header(1, 0, 64, 0, 64), control_header(2) + b"\x91\x01",
-             data_header(2, 0, 100, 0, 7, flags=Flags.LZ4, raw_len=100) + lz4.block.compress(bytes(100), store_size=False)[:7]]
+    valid = [data_frame(1, 0, 64, 0, bytes(64)), PING_FRAME, ack_header(1, 0, 64, 0, 64),
+             control_header(2) + b"\x91\x01",
+             data_header(2, 0, 100, 0, 7, flags=Flags.LZ4, raw_len=100)
+             + lz4.block.compress(bytes(100), store_size=False)[:7]]
     outcomes = set()
     for trial in range(3000):
         if trial % 3 == 0:

@@ -135,7 +135,8 @@ def test_wrong_message_size_is_refused():
 
 
 @pytest.mark.parametrize("status, error", [(Status.REJECTED, AuthenticationError), (Status.BUSY, ProtocolError),
-                                            (Status.BAD_STREAM, ProtocolError), (Status.VERSION_MISMATCH, ProtocolError)])
+                                            (Status.BAD_STREAM, ProtocolError),
+                                            (Status.VERSION_MISMATCH, ProtocolError)])
 def test_client_reports_server_refusal(status, error):
     client = ClientHandshake(b"k", LINK_ID, 0, 1)
     server = ServerHandshake(b"k")
