@@ -315,7 +315,7 @@ class Link:
             self.queue.push(chunk)
         self.requeued_chunks += len(unacked)
         alive = self.streams_alive
-        log.warning("wanlink: stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
+        log.warning("stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
                     stream.index, self.name, exc, len(unacked), alive)
         if alive == 0:
             reason = exc if isinstance(exc, PeerLost) else PeerLost(f"all {self.streams} streams died; last: {exc}")
@@ -329,7 +329,7 @@ class Link:
             return
         self.error = exc
         if not self._closing and not self.peer_closed:
-            log.warning("wanlink: link %s failed: %s", self.name, exc)
+            log.warning("link %s failed: %s", self.name, exc)
         for stream in self._streams:
             stream.abort()
         self._stop_watchdog()
@@ -475,7 +475,7 @@ async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, s
 
     result = await choose_streams(host, port, secret=secret, congestion=congestion, sock_buffer=sock_buffer,
                                   timeout=timeout)
-    log.info("wanlink: probed %s:%s: %d streams, %.0f Mbit/s, RTT %.1f ms, chunk %d KiB (%s)", host, port,
+    log.info("probed %s:%s: %d streams, %.0f Mbit/s, RTT %.1f ms, chunk %d KiB (%s)", host, port,
              result.streams, 8 * result.rate / 1e6, 1e3 * result.rtt_s, result.chunk_size // 1024, result.reason)
     return result.streams, result.chunk_size
 
@@ -496,7 +496,7 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     count = stream_count_from(streams)
     key = normalize_secret(secret)
     if not key:
-        log.warning("wanlink: connecting to %s:%s without authentication (empty secret)", host, port)
+        log.warning("connecting to %s:%s without authentication (empty secret)", host, port)
     loop = asyncio.get_running_loop()
     if count is None and unix_name is not None:
         count = DEFAULT_STREAMS
