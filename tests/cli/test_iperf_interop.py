@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from iperf_helpers import IPERF3, LIMIT, Server, client, free_port
+from tests.support.iperf import IPERF3, LIMIT, Server, client
+from tests.support.ports import unused_port
 
 pytestmark = pytest.mark.skipif(IPERF3 is None, reason="iperf3 is not on PATH (apt-get install iperf3)")
 
@@ -25,7 +26,7 @@ async def stock_server(port: int):
 
 async def run_against_stock(*args):
     """Our client against ``iperf3 -s -1``; returns (our JSON, iperf3's JSON)."""
-    port = free_port()
+    port = unused_port()
     proc = await stock_server(port)
     try:
         for _attempt in range(20):

@@ -6,7 +6,8 @@ import struct
 
 import pytest
 
-from iperf_helpers import Server, client, client_json, free_port
+from tests.support.iperf import Server, client, client_json
+from tests.support.ports import refused_port
 from wanlink.probe.iperf3 import State, make_cookie
 
 SECRET = "loopback-secret"
@@ -130,9 +131,10 @@ async def test_without_secret_it_runs_unauthenticated_and_says_so(monkeypatch):
 
 @pytest.mark.asyncio
 async def test_unreachable_server():
-    rc, out, err = await client("127.0.0.1", "-p", str(free_port()), "-t", "1")
-    assert rc == 1 and "unable to connect to server 127.0.0.1" in err and "refused" in err
-    rc, out, _ = await client("127.0.0.1", "-p", str(free_port()), "-t", "1", "-J")
+    with refused_port() as port:
+        rc, out, err = await client("127.0.0.1", "-p", str(port), "-t", "1")
+        assert rc == 1 and "unable to connect to server 127.0.0.1" in err and "refused" in err
+        rc, out, _ = await client("127.0.0.1", "-p", str(port), "-t", "1", "-J")
     assert rc == 1 and "unable to connect" in json.loads(out)["error"]
 
 
@@ -142,7 +144,7 @@ async def test_port_in_use():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        from iperf_helpers import run
+        from tests.support.iperf import run
         import io
         err = io.StringIO()
         rc = await asyncio.wait_for(run(["-s", "-p", str(port), "-B", "127.0.0.1"], stdout=io.StringIO(),
@@ -191,7 +193,8 @@ async def test_one_off_server_exits_after_one_test():
 
 @pytest.mark.asyncio
 async def test_unknown_congestion_control_fails_before_connecting():
-    rc, out, err = await client("127.0.0.1", "-p", str(free_port()), "-t", "1", "-C", "no-such-cc")
+    with refused_port() as port:
+        rc, out, err = await client("127.0.0.1", "-p", str(port), "-t", "1", "-C", "no-such-cc")
     assert rc == 1 and "no-such-cc" in err and "Connecting" not in out
 
 

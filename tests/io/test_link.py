@@ -15,7 +15,7 @@ from wanlink.errors import (
 from wanlink.proto.frames import data_header
 from wanlink.proto.limits import Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG
-from tests.io.conftest import SECRET, open_pair, proxied_pair
+from tests.support.links import SECRET, open_pair, proxied_pair
 
 pytestmark = pytest.mark.asyncio
 MiB = 1024 * 1024

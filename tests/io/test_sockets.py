@@ -59,7 +59,7 @@ def test_socket_buffer_option():
 async def test_kernel_bytes_acked_counts_what_the_peer_kernel_received():
     import asyncio
 
-    from tests.io.conftest import open_pair
+    from tests.support.links import open_pair
 
     pair = await open_pair(2)
     try:

@@ -201,13 +201,13 @@ class Mesh:
         meta = link.peer_meta or {}
         peer = meta.get("rank")
         if meta.get("world") != self.world or not isinstance(peer, int) or not self.rank < peer < self.size:
-            logger.warning("wanlink: refusing link from %s with meta %r (world %s, rank %d)",
+            logger.warning("refusing link from %s with meta %r (world %s, rank %d)",
                            link.peer, meta, self.world, self.rank)
             await link.close()
             return
         slot = self._slot(peer)
         if slot.done():
-            logger.warning("wanlink: duplicate link from rank %d ignored", peer)
+            logger.warning("duplicate link from rank %d ignored", peer)
             await link.close()
             return
         slot.set_result(link)
@@ -250,7 +250,7 @@ class Mesh:
         try:
             self.runtime.run(self._close(), timeout=10.0)
         except Exception as error:  # noqa: BLE001 - shutting down; nothing to recover
-            logger.debug("wanlink: mesh close: %r", error)
+            logger.debug("mesh close: %r", error)
 
 
 _world_lock = threading.Lock()

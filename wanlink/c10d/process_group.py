@@ -568,5 +568,5 @@ class ProcessGroupWanlink(ProcessGroup):
         try:
             self.mesh.runtime.run(barrier(), timeout=min(SHUTDOWN_DRAIN_SECONDS, self.default_timeout.total_seconds()))
         except Exception as error:  # noqa: BLE001 - peers may be gone already; closing anyway
-            logger.debug("wanlink: shutdown drain of group %r: %r", self.label, error)
+            logger.debug("shutdown drain of group %r: %r", self.label, error)
 

@@ -296,7 +296,7 @@ class Link:
             self.queue.push(chunk)
         self.requeued_chunks += len(unacked)
         alive = self.streams_alive
-        log.warning("wanlink: stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
+        log.warning("stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
                     stream.index, self.name, exc, len(unacked), alive)
         if alive == 0:
             reason = exc if isinstance(exc, PeerLost) else PeerLost(f"all {self.streams} streams died; last: {exc}")
@@ -310,7 +310,7 @@ class Link:
             return
         self.error = exc
         if not self._closing and not self.peer_closed:
-            log.warning("wanlink: link %s failed: %s", self.name, exc)
+            log.warning("link %s failed: %s", self.name, exc)
         for stream in self._streams:
             stream.abort()
         self._stop_watchdog()
@@ -467,7 +467,7 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
     chunk_size_from(chunk_size)  # a bad size fails before connecting
     key = normalize_secret(secret)
     if not key:
-        log.warning("wanlink: connecting to %s:%s without authentication (empty secret)", host, port)
+        log.warning("connecting to %s:%s without authentication (empty secret)", host, port)
     loop = asyncio.get_running_loop()
     link_id = os.urandom(16)
     socks: list[socket.socket | None] = [None] * count

@@ -59,12 +59,12 @@ class Server:
             try:
                 sock, _address = await self.loop.sock_accept(listener)
             except OSError as exc:  # e.g. EMFILE: keep serving once descriptors free up
-                log.error("wanlink: accept on port %d failed: %s", self.port, exc)
+                log.error("accept on port %d failed: %s", self.port, exc)
                 await asyncio.sleep(0.1)
                 continue
             if len(self._handlers) >= self._limits.max_handshakes:
                 self.rejected_streams += 1
-                log.warning("wanlink: refused a connection: %d handshakes already in progress (max_handshakes)",
+                log.warning("refused a connection: %d handshakes already in progress (max_handshakes)",
                             len(self._handlers))
                 close_quietly(sock)
                 continue
@@ -86,7 +86,7 @@ class Server:
                 accepted = await self._handshake(sock, prefix, peer)
         except (WanlinkError, OSError, TimeoutError) as exc:
             self.rejected_streams += 1
-            log.warning("wanlink: rejected stream from %s: %s", peer, _describe(exc))
+            log.warning("rejected stream from %s: %s", peer, _describe(exc))
             close_quietly(sock)
             return
         except BaseException:
@@ -148,7 +148,7 @@ class Server:
         pending = self._pending.pop(link_id, None)
         if pending is None:
             return
-        log.warning("wanlink: dropped a link from %s: %d of %d streams arrived within %g s",
+        log.warning("dropped a link from %s: %d of %d streams arrived within %g s",
                     pending.peer or "?", len(pending.socks), pending.count, self._timeout)
         for sock in pending.socks.values():
             close_quietly(sock)
@@ -168,7 +168,7 @@ class Server:
             if inspect.isawaitable(result):
                 await result
         except Exception as exc:  # noqa: BLE001 - a failing callback must not take the server down
-            log.error("wanlink: on_link callback failed for %s: %r; closing that link", link.name, exc)
+            log.error("on_link callback failed for %s: %r; closing that link", link.name, exc)
             await link.close()
 
     def close(self) -> None:
@@ -233,7 +233,7 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
     key = normalize_secret(secret)
     chunk_size_from(chunk_size)  # a bad size fails now, not at each link
     if not key:
-        log.warning("wanlink: serving on %s:%s without authentication (empty secret)", host, port)
+        log.warning("serving on %s:%s without authentication (empty secret)", host, port)
     try:
         listener = socket.create_server((host, port), backlog=backlog)
     except OSError as exc:

@@ -3,18 +3,11 @@ import asyncio
 import io
 import json
 import shutil
-import socket
 
 from wanlink.cli.iperf import run
 
 LIMIT = 60.0  # no test may wait longer than this for one run
 IPERF3 = shutil.which("iperf3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
