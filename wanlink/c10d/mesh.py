@@ -25,8 +25,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from wanlink.c10d.tags import group_slot
-from wanlink.endpoints import connect, serve
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost
+from wanlink.endpoints import connect, serve
 from wanlink.io.runtime import get_runtime
 from wanlink.io.sockets import same_host_key
 from wanlink.settings import Settings
@@ -107,7 +107,8 @@ class Mesh:
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, settings: Settings):
-        self.rank, self.size, self.timeout, self.settings = rank, size, timeout, settings
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.settings = settings
         self.streams, self.chunk_size = settings.streams, settings.chunk_size
         self.compress = settings.compress  # lz4 per chunk where it shrinks
         self.runtime = get_runtime()
