@@ -18,8 +18,8 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from wanlink.c10d import tags
-from wanlink.c10d.checks import (check_batch, check_one_per_member, check_tensors, nbytes, reduce_name,
-                                 root_of, root_tensor_list, same_numel, single, split_counts)
+from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse, check_tensors, nbytes,
+                                 reduce_name, root_of, root_tensor_list, same_numel, single, split_counts)
 from wanlink.c10d.deadlines import URGENT, current_deadline
 from wanlink.c10d.debug import VARIES, Fingerprint, check_fingerprint
 from wanlink.c10d.gc_freeze import freeze_gc_once
@@ -27,7 +27,7 @@ from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
-from wanlink.collectives import direct, ring
+from wanlink.collectives import direct, ring, sparse
 from wanlink.collectives.base import Comm, gather_all, split
 from wanlink.collectives.reduce_ops import finish_average, reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
@@ -174,6 +174,8 @@ class ProcessGroupWanlink(ProcessGroup):
         """``dist.all_reduce``."""
         op = "all_reduce"
         tensor = single(op, tensors)
+        if tensor.layout == torch.sparse_coo:
+            return self._sparse_allreduce(op, tensor, opts)
         check_tensors(op, [tensor])
         name = reduce_name(op, opts)
         reducer = reducer_for(name, tensor.dtype, op)
@@ -184,6 +186,18 @@ class ProcessGroupWanlink(ProcessGroup):
             await self._run_allreduce(comm, buffer, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
+
+    def _sparse_allreduce(self, op: str, tensor: torch.Tensor, opts) -> WanlinkWork:
+        """All-reduce of a sparse COO tensor: ``tensor`` becomes the coalesced sum, as with gloo."""
+        check_sparse(op, tensor, opts)
+        local = tensor.detach().coalesce().cpu()
+
+        async def body(comm: Comm) -> None:
+            summed = await sparse.allreduce_coo(comm, local)
+            with torch.no_grad():
+                tensor.copy_(summed)
+
+        return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, Staging(), [tensor], opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """``dist.all_reduce_coalesced``: every tensor in one collective."""
