@@ -95,7 +95,8 @@ def _store_get(store: dist.Store, key: str, timeout: timedelta) -> bytes:
     try:
         store.wait([key], timeout)
     except RuntimeError as error:  # torch reports store timeouts as RuntimeError/DistStoreError
-        raise DeadlineExceeded(f"wanlink rendezvous: key {key!r} not published within {timeout}") from error
+        raise DeadlineExceeded(f"wanlink rendezvous timed out after {timeout.total_seconds():g} s: "
+                               f"key {key!r} not published") from error
     return store.get(key)
 
 
@@ -151,8 +152,8 @@ class Mesh:
             self.runtime.run(self._link_all(), timeout.total_seconds())
         except DeadlineExceeded:
             missing = sorted(peer for peer, slot in self._links.items() if not slot.done())
-            raise DeadlineExceeded(f"wanlink rendezvous: rank {rank} has no link to rank(s) {missing} "
-                                   f"after {timeout}") from None
+            raise DeadlineExceeded(f"wanlink rendezvous timed out after {timeout.total_seconds():g} s: "
+                                   f"rank {rank} has no link to rank(s) {missing}") from None
 
     async def _link_all(self) -> None:
         """Make every link now, so a peer that is missing or dies later is noticed by its link."""
