@@ -1,9 +1,9 @@
 """wanlink.probe: how many streams and how large chunks a link needs, and how fast it delivers.
 
-Pure decision logic (``StreamRamp``, ``choose_chunk_size``, ``DeliveryRateEstimator``), the
-sans-I/O iperf3 control protocol (``wanlink.probe.iperf3``), iperf3-style reports
-(``wanlink.probe.report``) and ``choose_streams`` (``wanlink.probe.driver``), which drives the
-ramp over real Links and is loaded on first use so the pure parts never import the transport.
+Pure decision logic (``StreamRamp``, ``choose_chunk_size``, ``DeliveryRateEstimator``) and
+``choose_streams`` (``wanlink.probe.driver``), which drives the ramp over real Links and is loaded
+on first use so the pure parts never import the transport. (The iperf3 protocol and reports live
+in ``wanlink.iperf``.)
 """
 from wanlink.probe.chunk import choose_chunk_size
 from wanlink.probe.ramp import ProbeResult, RampStep, StreamRamp

@@ -1,7 +1,7 @@
 """iperf3-style report formatting: units, table lines, JSON sums."""
 import pytest
 
-from wanlink.probe.report import (
+from wanlink.iperf.report import (
     SEPARATOR, StreamSample, StreamTotals, end_json, format_bits, format_bytes, header, interval_json,
     interval_lines, summary_lines,
 )

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from iperf_helpers import Server, client, client_json, free_port
-from wanlink.probe.iperf3 import State, make_cookie
+from wanlink.iperf.protocol import State, make_cookie
 
 SECRET = "loopback-secret"
 
