@@ -213,3 +213,46 @@ async def test_client_vanishing_mid_negotiation_leaves_the_server_serving():
         rc, _, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "1", "-t", "0.2", "-i", "0")
     assert rc == 0, err
     assert "unexpectedly closed" in srv.err.getvalue() or "stopped before its streams" in srv.err.getvalue()
+
+
+SENDER_TCP_KEYS = ("max_snd_cwnd", "max_snd_wnd", "max_rtt", "min_rtt", "mean_rtt")
+
+
+def kernel_reports_snd_wnd() -> bool:
+    from wanlink.io.sockets import tcp_info
+
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()) as c:
+        info = tcp_info(c)
+    return info is not None and info.snd_wnd is not None
+
+
+@pytest.mark.asyncio
+async def test_json_names_the_link_sockets_and_their_tcp_info():
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.5", "-i", "0.25")
+        rev = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-R", "-n", "4M", "-i", "0")
+    connected = doc["start"]["connected"]
+    assert len(connected) == 2 and all(c["remote_port"] == srv.port for c in connected)
+    assert {s["socket"] for i in doc["intervals"] for s in i["streams"]} == {c["socket"] for c in connected}
+    rows = [s for i in doc["intervals"] for s in i["streams"] if "retransmits" in s]
+    assert rows and all(s["snd_cwnd"] > 0 and s["rtt"] >= 0 for s in rows)
+    assert all(("snd_wnd" in s) == kernel_reports_snd_wnd() for s in rows)
+    for stream in doc["end"]["streams"]:  # this side sent: its TCP_INFO over the test
+        sender = stream["sender"]
+        assert sender["max_snd_cwnd"] > 0 and sender["min_rtt"] <= sender["mean_rtt"] <= sender["max_rtt"]
+        assert sender["max_snd_wnd"] >= max(s.get("snd_wnd", 0) for s in rows if s["socket"] == sender["socket"])
+    assert len(rev["start"]["connected"]) == 2
+    for stream in rev["end"]["streams"]:  # the server sent: zeros, as iperf3 writes them
+        if "retransmits" in stream["sender"]:
+            assert [stream["sender"][key] for key in SENDER_TCP_KEYS] == [0] * 5
+
+
+@pytest.mark.asyncio
+async def test_rate_format_sets_the_bitrate_unit_on_both_sides():
+    async with Server("-f", "t") as srv:
+        rc, out, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.4", "-i", "0.2", "-f", "K")
+    assert rc == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("[") and " sec " in line]
+    assert rows and all("KBytes/sec" in line for line in rows)
+    server_rows = [line for line in srv.out.getvalue().splitlines() if line.startswith("[") and " sec " in line]
+    assert server_rows and all("Tbits/sec" in line for line in server_rows)

@@ -16,12 +16,19 @@ from wanlink.iperf.report import (
 )
 
 
+TCP_POLL_S = 0.1
+
+
 def _retransmits(info: TcpInfo | None) -> int:
     return info.total_retrans if info is not None else 0
 
 
 class Meter:
-    """Samples every channel each interval: prints iperf3's table and keeps the JSON intervals."""
+    """Samples every channel each interval: prints iperf3's table and keeps the JSON intervals.
+
+    Sending channels' TCP_INFO is also read every ``TCP_POLL_S`` (for the ``end`` summary, and so
+    the totals keep the last reading of a socket the peer closed first, as a wanlink receiver does).
+    """
 
     def __init__(self, channels: list, out: Output, *, interval: float, refresh=None, roles=None,
                  retr: bool = True, unit: str = "a"):
@@ -35,9 +42,10 @@ class Meter:
         self._prev_t = 0.0
         self._prev_bytes: list[int] = []
         self._prev_retr: list[int] = []
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._header_done = False
         self.final_info: list[TcpInfo | None] = []
+        self._last_info: list[TcpInfo | None] = [None] * len(channels)
         self.sender_tcp = [SenderTcpStats() for _ in channels]
 
     def start(self) -> None:
@@ -48,7 +56,9 @@ class Meter:
         self._prev_retr = [_retransmits(c.tcp_info()) for c in self.channels]
         self._initial_retr = list(self._prev_retr)
         if self.interval > 0:
-            self._task = loop.create_task(self._ticks())
+            self._tasks.append(loop.create_task(self._ticks()))
+        if any(c.sender for c in self.channels):
+            self._tasks.append(loop.create_task(self._poll_tcp_info()))
 
     async def _ticks(self) -> None:
         loop = asyncio.get_running_loop()
@@ -57,6 +67,12 @@ class Meter:
             await asyncio.sleep(max(0.0, self.t0 + k * self.interval - loop.time()))
             self.sample()
             k += 1
+
+    async def _poll_tcp_info(self) -> None:
+        while True:
+            await asyncio.sleep(TCP_POLL_S)
+            for i in range(len(self.channels)):
+                self._read_tcp_info(i)
 
     def sample(self, *, final: bool = False) -> None:
         loop = asyncio.get_running_loop()
@@ -88,21 +104,22 @@ class Meter:
             self.out.line(SEPARATOR)
 
     def _read_tcp_info(self, index: int) -> TcpInfo | None:
-        """The channel's TCP_INFO (None unless it sends), counted into its whole-test summary."""
+        """The channel's TCP_INFO (None unless it sends and is open), counted into its whole-test summary."""
         info = self.channels[index].tcp_info()
         if info is not None:
             self.sender_tcp[index].add(snd_cwnd=info.cwnd_bytes, snd_wnd=info.snd_wnd, rtt=info.rtt)
+            self._last_info[index] = info
         return info
 
     def freeze_tcp_info(self) -> None:
-        """Read TCP_INFO now, for the totals (call before closing the sockets)."""
-        self.final_info = [self._read_tcp_info(i) for i in range(len(self.channels))]
+        """Read TCP_INFO now, for the totals (call before closing the sockets; closed ones keep their last)."""
+        self.final_info = [self._read_tcp_info(i) or self._last_info[i] for i in range(len(self.channels))]
 
     def stop(self) -> float:
         """Stop sampling (printing the last partial interval); return the measured duration."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
         if self.interval > 0:
             self.sample(final=True)
         else:
