@@ -150,16 +150,26 @@ async def test_port_in_use():
     assert rc == 1 and "unable to start listener" in err.getvalue() and "in use" in err.getvalue()
 
 
+async def control_by_hand(port: int) -> socket.socket:
+    """A control connection opened as an iperf3 client would, up to the server's PARAM_EXCHANGE."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, make_cookie())
+        assert await asyncio.wait_for(loop.sock_recv(sock, 1), 10) == struct.pack("b", State.PARAM_EXCHANGE)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 @pytest.mark.asyncio
 async def test_busy_server_answers_access_denied():
     async with Server() as srv:
-        loop = asyncio.get_running_loop()
-        first = socket.socket()
-        first.setblocking(False)
+        first = await control_by_hand(srv.port)
         try:
-            await loop.sock_connect(first, ("127.0.0.1", srv.port))
-            await loop.sock_sendall(first, make_cookie())
-            assert await asyncio.wait_for(loop.sock_recv(first, 1), 10) == struct.pack("b", State.PARAM_EXCHANGE)
             rc, _, err = await client("127.0.0.1", "-p", str(srv.port), "-t", "1")
         finally:
             first.close()
@@ -199,12 +209,8 @@ async def test_unknown_congestion_control_fails_before_connecting():
 async def test_client_vanishing_mid_negotiation_leaves_the_server_serving():
     async with Server() as srv:
         loop = asyncio.get_running_loop()
-        sock = socket.socket()
-        sock.setblocking(False)
+        sock = await control_by_hand(srv.port)
         try:
-            await loop.sock_connect(sock, ("127.0.0.1", srv.port))
-            await loop.sock_sendall(sock, make_cookie())
-            assert await asyncio.wait_for(loop.sock_recv(sock, 1), 10) == b"\x09"  # PARAM_EXCHANGE
             body = json.dumps({"tcp": True, "time": 1, "parallel": 1}).encode()
             await loop.sock_sendall(sock, struct.pack("!I", len(body)) + body)
             assert await asyncio.wait_for(loop.sock_recv(sock, 1), 10) == b"\x0a"  # CREATE_STREAMS
