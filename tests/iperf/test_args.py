@@ -69,3 +69,18 @@ def test_rate_format_and_unlimited_bitrate():
     assert [parse_args(["-c", "h", "-f", f]).rate_format for f in "kMgT"] == list("kMgT")
     assert parse_args(["-s", "-f", "G"]).rate_format == "G"
     assert parse_args(["-c", "h", "-b", "0"]).host == "h"  # iperf3's TCP default: unlimited
+
+
+def test_console_script_and_python_m_reach_main():
+    import importlib
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
+    module, function = re.search(r'^wanlink-iperf = "([\w.]+):(\w+)"$', pyproject, re.M).groups()
+    assert getattr(importlib.import_module(module), function) is importlib.import_module("wanlink.iperf.cli").main
+    done = subprocess.run([sys.executable, "-m", "wanlink.iperf", "-c", "h", "-u"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "UDP tests are not supported" in done.stderr
