@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import wanlink
 from wanlink.errors import AuthenticationError, DeadlineExceeded, PeerLost, ProtocolError, WanlinkError
 from wanlink.io.sockets import congestion_of, tcp_info
-from wanlink.iperf import protocol as proto
 from wanlink.iperf.channels import (
     Control, LinkCounters, Progress, RawChannel, check_congestion, iperf_ids, link_channels, link_sender, open_tcp,
 )
@@ -21,6 +20,7 @@ from wanlink.iperf.options import Options
 from wanlink.iperf.output import VERSION, CliError, Output, secret_bytes
 from wanlink.iperf.protocol import (
     COOKIE_META_KEY, ConnectionClosed, Cookie, Parameters, Results, Role, ServerError, State, StateChange, WanlinkAccept,
+    make_cookie,
 )
 from wanlink.iperf.report import end_json, format_bits, header, summary_lines
 from wanlink.probe.driver import choose_streams
@@ -135,7 +135,7 @@ class Client:
         out.line(f"Connecting to host {o.host}, port {o.port}")
         sock = await open_tcp(o.host, o.port, timeout=o.connect_timeout, bind=o.bind)
         self.ctrl = Control(sock, Role.CLIENT)
-        cookie = proto.make_cookie()
+        cookie = make_cookie()
         await self.ctrl.send(Cookie(cookie))
         await self._expect(State.PARAM_EXCHANGE)
         auto = o.parallel is None
