@@ -262,3 +262,26 @@ async def test_rate_format_sets_the_bitrate_unit_on_both_sides():
     assert rows and all("KBytes/sec" in line for line in rows)
     server_rows = [line for line in srv.out.getvalue().splitlines() if line.startswith("[") and " sec " in line]
     assert server_rows and all("Tbits/sec" in line for line in server_rows)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", [("-P", "2"), ("-P", "1", "--no-wanlink")])
+async def test_interrupted_test_leaves_no_sampling_behind(mode):
+    from iperf_helpers import LIMIT, run
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    stop = asyncio.Event()
+    async with Server() as srv:
+        task = asyncio.ensure_future(run(["-c", "127.0.0.1", "-p", str(srv.port), "-t", "60", "-i", "0.1", *mode],
+                                         stdout=out, stderr=err, stop=stop))
+        async with asyncio.timeout(LIMIT):
+            while " sec " not in out.getvalue():  # the test is running
+                await asyncio.sleep(0.02)
+        stop.set()
+        rc = await asyncio.wait_for(task, LIMIT)
+    assert rc == 1 and "interrupt" in err.getvalue()
+    for _ in range(3):
+        await asyncio.sleep(0)  # let cancelled tasks finish
+    samplers = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.startswith("Meter.")]
+    assert samplers == []

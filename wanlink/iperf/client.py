@@ -73,6 +73,7 @@ class Client:
         self.link = None
         self.raw: list[RawChannel] = []
         self.tasks: list[asyncio.Task] = []
+        self.meter: Meter | None = None
         self.doc: dict = {"start": {}, "intervals": [], "end": {}}
         self.wl = WanlinkInfo()
         self.estimator = DeliveryRateEstimator()
@@ -84,6 +85,8 @@ class Client:
             await self._cleanup()
 
     async def _cleanup(self) -> None:
+        if self.meter is not None:
+            self.meter.cancel()
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -240,6 +243,7 @@ class Client:
         progress = Progress(budget)
         roles = {True: "[TX-C]", False: "[RX-C]"} if o.bidir else None
         meter = Meter(channels, out, interval=o.interval, refresh=refresh, roles=roles, unit=o.rate_format)
+        self.meter = meter
         cpu = CpuClock()
         meter.start()
         rx_total = [0]

@@ -115,11 +115,15 @@ class Meter:
         """Read TCP_INFO now, for the totals (call before closing the sockets; closed ones keep their last)."""
         self.final_info = [self._read_tcp_info(i) or self._last_info[i] for i in range(len(self.channels))]
 
-    def stop(self) -> float:
-        """Stop sampling (printing the last partial interval); return the measured duration."""
+    def cancel(self) -> None:
+        """Stop the periodic sampling without a last sample (on failure; ``stop`` calls it too)."""
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
+
+    def stop(self) -> float:
+        """Stop sampling (printing the last partial interval); return the measured duration."""
+        self.cancel()
         if self.interval > 0:
             self.sample(final=True)
         else:

@@ -43,6 +43,7 @@ class Session:
         self.streams_ready = asyncio.Event()
         self.accepting = False
         self.tasks: list[asyncio.Task] = []
+        self.meter: Meter | None = None
         self.estimator = DeliveryRateEstimator()
         self.finishing = False  # results sent: the server may take the next client
         self.connected: list[dict] = []  # iperf3's start.connected
@@ -87,6 +88,8 @@ class Session:
 
     async def _cleanup(self) -> None:
         self.accepting = False
+        if self.meter is not None:
+            self.meter.cancel()
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -148,6 +151,7 @@ class Session:
         await self.ctrl.send(StateChange(State.TEST_RUNNING))
         roles = {True: "[TX-S]", False: "[RX-S]"} if params.bidirectional else None
         meter = Meter(channels, out, interval=o.interval, refresh=refresh, roles=roles, unit=o.rate_format)
+        self.meter = meter
         cpu = CpuClock()
         meter.start()
         progress = Progress(0)
