@@ -187,7 +187,7 @@ class LinkChannel:
         return (self.counters.sent if self.sender else self.counters.received)[self.index]
 
     def tcp_info(self) -> TcpInfo | None:
-        return tcp_info(self._sock) if self.sender and self._sock is not None and self._sock.fileno() >= 0 else None
+        return tcp_info(self._sock) if self.sender and self._sock is not None else None  # None once closed
 
 
 def link_channels(counters: LinkCounters, streams: int, senders: list[bool]) -> list[LinkChannel]:
