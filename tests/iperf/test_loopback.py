@@ -1,12 +1,13 @@
 """wanlink-iperf client against wanlink-iperf server over loopback: JSON, modes, errors."""
 import asyncio
+import io
 import json
 import socket
 import struct
 
 import pytest
 
-from iperf_helpers import Server, client, client_json, free_port
+from iperf_helpers import LIMIT, Server, client, client_json, free_port, run
 from wanlink.iperf.protocol import State, make_cookie
 
 SECRET = "loopback-secret"
@@ -142,8 +143,6 @@ async def test_port_in_use():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        from iperf_helpers import run
-        import io
         err = io.StringIO()
         rc = await asyncio.wait_for(run(["-s", "-p", str(port), "-B", "127.0.0.1"], stdout=io.StringIO(),
                                         stderr=err, stop=asyncio.Event()), 10)
@@ -267,9 +266,6 @@ async def test_rate_format_sets_the_bitrate_unit_on_both_sides():
 @pytest.mark.asyncio
 @pytest.mark.parametrize("mode", [("-P", "2"), ("-P", "1", "--no-wanlink")])
 async def test_interrupted_test_leaves_no_sampling_behind(mode):
-    from iperf_helpers import LIMIT, run
-    import io
-
     out, err = io.StringIO(), io.StringIO()
     stop = asyncio.Event()
     async with Server() as srv:

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from iperf_helpers import PARAMS, RESULTS
-from wanlink.errors import ProtocolError, UnsupportedError
+from wanlink.errors import RemoteProtocolError, UnsupportedError
 from wanlink.iperf.messages import TestParameters, TestResults
 
 
@@ -24,7 +24,7 @@ def test_parameters_round_trip_and_defaults():
     {"time": 0, "num": 0, "blockcount": 0}, {"time": float("nan")},
 ])
 def test_bad_parameters_are_protocol_errors(patch):
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         TestParameters.from_json({**PARAMS, **patch})
 
 
@@ -54,5 +54,5 @@ def test_results_round_trip_and_iperf3_quirks():
     {**RESULTS, "cpu_util_total": "high"},
 ])
 def test_bad_results_are_protocol_errors(broken):
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         TestResults.from_json(broken)

@@ -6,11 +6,10 @@ import struct
 import pytest
 
 from iperf_helpers import PARAMS, RESULTS
-from wanlink.errors import LimitExceeded, ProtocolError
+from wanlink.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from wanlink.iperf.protocol import (
-    COOKIE_SIZE, MAX_PARAMS_JSON, NEED_DATA, ConnectionClosed, ControlConnection, Cookie, Parameters, Results,
-    Role, ServerError, State, StateChange, UsageError, WanlinkAccept, check_cookie, encode_json, is_wanlink_prefix,
-    make_cookie,
+    COOKIE_SIZE, MAX_PARAMS_JSON, NEED_DATA, ConnectionClosed, ControlConnection, Cookie, Parameters, Results, Role,
+    ServerError, State, StateChange, WanlinkAccept, check_cookie, encode_json, is_wanlink_prefix, make_cookie,
 )
 
 COOKIE = b"abcdefghijklmnopqrstuvwxyz2345672345\0"
@@ -40,11 +39,11 @@ def test_cookie_shape_and_check():
     assert all(chr(b) in "abcdefghijklmnopqrstuvwxyz234567" for b in cookie[:-1])
     assert check_cookie(cookie) == cookie
     assert make_cookie() != cookie
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         check_cookie(cookie[:-1])
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         check_cookie(cookie[:-1] + b"x")
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         check_cookie(b"\x01" + cookie[1:])
 
 
@@ -96,7 +95,7 @@ def test_access_denied_ends_the_client_side():
     client = ControlConnection(Role.CLIENT)
     client.send(Cookie(COOKIE))
     assert feed(client, b"\xff") == [StateChange(State.ACCESS_DENIED)]
-    with pytest.raises(ProtocolError, match="after the end"):
+    with pytest.raises(RemoteProtocolError, match="after the end"):
         feed(client, b"\x09")
 
 
@@ -127,7 +126,7 @@ def test_server_error_encoding_round_trips():
 def test_client_rejects_states_out_of_order(state):
     client = ControlConnection(Role.CLIENT)
     client.send(Cookie(COOKIE))
-    with pytest.raises(ProtocolError, match=state.name):
+    with pytest.raises(RemoteProtocolError, match=state.name):
         feed(client, struct.pack("b", state))
 
 
@@ -135,7 +134,7 @@ def test_client_rejects_states_out_of_order(state):
 def test_unknown_state_byte_is_a_protocol_error(value):
     client = ControlConnection(Role.CLIENT)
     client.send(Cookie(COOKIE))
-    with pytest.raises(ProtocolError, match="unknown iperf3 state"):
+    with pytest.raises(RemoteProtocolError, match="unknown iperf3 state"):
         feed(client, struct.pack("b", value))
 
 
@@ -153,12 +152,12 @@ def test_server_rejects_client_states_out_of_order():
     server.receive_data(client.send(Parameters(PARAMS)))
     events(server)
     server.send(StateChange(State.CREATE_STREAMS))
-    with pytest.raises(ProtocolError, match="TEST_END"):
+    with pytest.raises(RemoteProtocolError, match="TEST_END"):
         feed(server, struct.pack("b", State.TEST_END))  # before TEST_RUNNING
     server2 = ControlConnection(Role.SERVER)
     server2.receive_data(COOKIE)
     events(server2)
-    with pytest.raises(ProtocolError, match="before the parameter exchange"):
+    with pytest.raises(RemoteProtocolError, match="before the parameter exchange"):
         feed(server2, b"\x04")
 
 
@@ -173,7 +172,7 @@ def test_client_terminate_is_accepted_any_time_after_params():
 @pytest.mark.parametrize("size", [0, MAX_PARAMS_JSON + 1, 2**32 - 1])
 def test_json_length_is_bounded_before_buffering(size):
     _client, server = server_after_params()
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(RemoteProtocolError) as info:
         feed(server, struct.pack("!I", size))
     if size:
         assert isinstance(info.value, LimitExceeded)
@@ -182,7 +181,7 @@ def test_json_length_is_bounded_before_buffering(size):
 @pytest.mark.parametrize("payload", [b"{", b"[1, 2]", b'"text"', b"\xff\xfe{}", b"[" * 3000 + b"]" * 3000, b"nul"])
 def test_malformed_json_is_a_protocol_error(payload):
     _client, server = server_after_params()
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         feed(server, struct.pack("!I", len(payload)) + payload, step=len(payload) + 4)
 
 
@@ -191,7 +190,7 @@ def test_eof_inside_a_message_is_a_protocol_error():
     server.receive_data(struct.pack("!I", 10) + b"{}")
     assert events(server) == []
     server.receive_data(b"")
-    with pytest.raises(ProtocolError, match="middle of a message"):
+    with pytest.raises(RemoteProtocolError, match="middle of a message"):
         events(server)
 
 
@@ -199,33 +198,35 @@ def test_short_or_bad_cookie_from_client():
     server = ControlConnection(Role.SERVER)
     server.receive_data(COOKIE[:10])
     server.receive_data(b"")
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         events(server)
     server = ControlConnection(Role.SERVER)
-    with pytest.raises(ProtocolError, match="cookie"):
+    with pytest.raises(RemoteProtocolError, match="cookie"):
         feed(server, b"WLK1" + bytes(33), step=37)
 
 
-def test_local_misuse_raises_usage_error():
+def test_local_misuse_is_a_local_protocol_error():
     client = ControlConnection(Role.CLIENT)
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         client.send(StateChange(State.TEST_END))  # before the cookie
     client.send(Cookie(COOKIE))
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         client.send(Cookie(COOKIE))
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         client.send(Parameters(PARAMS))  # before PARAM_EXCHANGE
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         client.send(StateChange(State.CREATE_STREAMS))  # a server state
     server = ControlConnection(Role.SERVER)
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         server.send(StateChange(State.PARAM_EXCHANGE))  # before the cookie
     server.receive_data(COOKIE)
     events(server)
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         server.send(StateChange(State.TEST_RUNNING))
-    with pytest.raises(LimitExceeded):
-        encode_json({"x": "y" * 100}, limit=50)
+    with pytest.raises(LocalProtocolError, match="50"):
+        encode_json({"x": "y" * 100}, limit=50)  # an outgoing message over its bound
+    with pytest.raises(LocalProtocolError, match="cookie"):
+        ControlConnection(Role.CLIENT).send(Cookie(b"short\0"))
 
 
 def test_buffered_bytes_are_bounded():
@@ -251,7 +252,7 @@ def _drive(role: Role, chunks: list[bytes]) -> None:
         for _ in range(4):
             event = conn.next_event()
             assert event is not NEED_DATA  # after end of stream: events, then ConnectionClosed for good
-    except ProtocolError:
+    except RemoteProtocolError:
         pass
 
 

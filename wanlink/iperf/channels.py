@@ -5,12 +5,12 @@ import asyncio
 import os
 import socket
 
-from wanlink.io.link import PROBE_DISCARD_TAG
 from wanlink.io.sockets import TcpInfo, set_buffer_sizes, set_congestion, tcp_info
 from wanlink.iperf.output import CliError
 from wanlink.iperf.protocol import NEED_DATA, ControlConnection, Role
-from wanlink.probe.driver import inflight_bytes_for
 from wanlink.probe.rate import DeliveryRateEstimator
+from wanlink.probe.step import inflight_bytes_for
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG
 
 RECV_SCRATCH = 256 * 1024
 

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-import wanlink
+from wanlink.endpoints import choose_streams, connect
 from wanlink.errors import AuthenticationError, DeadlineExceeded, PeerLost, ProtocolError, WanlinkError
 from wanlink.io.sockets import congestion_of, tcp_info
 from wanlink.iperf.channels import (
@@ -19,11 +19,10 @@ from wanlink.iperf.messages import IPERF_ERRORS, TestParameters, TestResults
 from wanlink.iperf.options import Options
 from wanlink.iperf.output import VERSION, CliError, Output, secret_bytes
 from wanlink.iperf.protocol import (
-    COOKIE_META_KEY, ConnectionClosed, Cookie, Parameters, Results, Role, ServerError, State, StateChange, WanlinkAccept,
-    make_cookie,
+    COOKIE_META_KEY, ConnectionClosed, Cookie, Parameters, Results, Role, ServerError, State, StateChange,
+    WanlinkAccept, make_cookie,
 )
 from wanlink.iperf.report import end_json, format_bits, header, summary_lines
-from wanlink.probe.driver import choose_streams
 from wanlink.probe.rate import DeliveryRateEstimator
 from wanlink.sched.chunking import chunk_size_from
 from wanlink.settings import Settings
@@ -212,14 +211,15 @@ class Client:
                     self.out.line(f"Probing {o.host} port {o.port}: streams 1, 2, 4, ... up to {o.max_streams}")
                     result = await choose_streams(o.host, o.port, secret=secret, meta=meta,
                                                   max_streams=o.max_streams, congestion=o.congestion,
-                                                  sock_buffer=o.window, timeout=o.connect_timeout + 20)
+                                                  sock_buffer=o.window, timeout=o.connect_timeout + 20,
+                                                  settings=self.settings)
                     count, chunk = result.streams, result.chunk_size
                     self.wl.probe, self.wl.rtt_s, self.wl.streams_auto = result.to_json(), result.rtt_s, True
             chunk = chunk_size_from(chunk if chunk is not None else self.settings.chunk_size)
             meta["chunk_size"] = chunk
-            self.link = await wanlink.connect(o.host, o.port, streams=count, secret=secret, meta=meta,
-                                              timeout=o.connect_timeout + 20, chunk_size=chunk,
-                                              congestion=o.congestion, sock_buffer=o.window)
+            self.link = await connect(o.host, o.port, streams=count, secret=secret, meta=meta,
+                                      timeout=o.connect_timeout + 20, chunk_size=chunk, congestion=o.congestion,
+                                      sock_buffer=o.window, settings=self.settings)
         except AuthenticationError as exc:
             await self._terminate()
             raise CliError(f"authentication failed - {exc}; WANLINK_SECRET must be the same on both sides") from None

@@ -1,7 +1,7 @@
 """The typed messages of an iperf3 TCP test: the client's parameters, each side's results, iperf3's error numbers.
 
 ``TestParameters.from_json`` and ``TestResults.from_json`` validate what a peer sent (every
-number bounded, every field typed) and raise ``ProtocolError``; the ``to_json`` methods build
+number bounded, every field typed) and raise ``RemoteProtocolError``; the ``to_json`` methods build
 what ``ControlConnection`` sends as ``Parameters`` and ``Results``.
 """
 from __future__ import annotations
@@ -9,23 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from wanlink.errors import ProtocolError, UnsupportedError
+from wanlink.errors import RemoteProtocolError, UnsupportedError
 from wanlink.iperf.protocol import DEFAULT_BLOCKSIZE, MAX_BLOCKSIZE, MAX_OMIT, MAX_STREAMS, MAX_TIME, MAX_WINDOW
 
 
 def _get_int(obj: dict, key: str, default: int, lo: int, hi: int) -> int:
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ProtocolError(f"iperf3 field {key!r} must be a number, got {value!r}")
+        raise RemoteProtocolError(f"iperf3 field {key!r} must be a number, got {value!r}")
     if not lo <= value <= hi:
-        raise ProtocolError(f"iperf3 field {key!r}={value!r} is outside [{lo}, {hi}]")
+        raise RemoteProtocolError(f"iperf3 field {key!r}={value!r} is outside [{lo}, {hi}]")
     return int(value)
 
 
 def _get_float(obj: dict, key: str, default: float = 0.0) -> float:
     value = obj.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ProtocolError(f"iperf3 field {key!r} must be a number, got {value!r}")
+        raise RemoteProtocolError(f"iperf3 field {key!r} must be a number, got {value!r}")
     return float(value)
 
 
@@ -34,7 +34,7 @@ def _get_str(obj: dict, key: str, limit: int = 256) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or len(value) > limit:
-        raise ProtocolError(f"iperf3 field {key!r} must be a string of at most {limit} characters")
+        raise RemoteProtocolError(f"iperf3 field {key!r} must be a string of at most {limit} characters")
     return value
 
 
@@ -81,12 +81,12 @@ class TestParameters:
 
     @classmethod
     def from_json(cls, obj: dict) -> "TestParameters":
-        """Validate a parameters object; raise ProtocolError (or UnsupportedError for UDP/SCTP)."""
+        """Validate a parameters object; raise RemoteProtocolError (or UnsupportedError for UDP/SCTP)."""
         if "udp" in obj or "sctp" in obj:
             raise UnsupportedError("wanlink-iperf serves TCP tests only (the client asked for UDP/SCTP)")
         wl = obj.get("wanlink")
         if wl is not None and not isinstance(wl, dict):
-            raise ProtocolError("iperf3 field 'wanlink' must be an object")
+            raise RemoteProtocolError("iperf3 field 'wanlink' must be an object")
         params = cls(
             time=_get_int(obj, "time", 10, 0, MAX_TIME),
             num=_get_int(obj, "num", 0, 0, 2**62),
@@ -104,7 +104,7 @@ class TestParameters:
             wanlink=wl,
         )
         if params.time == 0 and params.num == 0 and params.blockcount == 0:
-            raise ProtocolError("iperf3 parameters set neither a duration nor a byte or block count")
+            raise RemoteProtocolError("iperf3 parameters set neither a duration nor a byte or block count")
         return params
 
 
@@ -160,17 +160,17 @@ class TestResults:
     def from_json(cls, obj: dict) -> "TestResults":
         for key in ("cpu_util_total", "cpu_util_user", "cpu_util_system", "sender_has_retransmits", "streams"):
             if key not in obj:
-                raise ProtocolError(f"iperf3 results lack {key!r}")
+                raise RemoteProtocolError(f"iperf3 results lack {key!r}")
         raw_streams = obj["streams"]
         if not isinstance(raw_streams, list) or len(raw_streams) > 2 * MAX_STREAMS:
-            raise ProtocolError(f"iperf3 results 'streams' must be a list of at most {2 * MAX_STREAMS}")
+            raise RemoteProtocolError(f"iperf3 results 'streams' must be a list of at most {2 * MAX_STREAMS}")
         streams = []
         for item in raw_streams:
             if not isinstance(item, dict):
-                raise ProtocolError("iperf3 results stream entry must be an object")
+                raise RemoteProtocolError("iperf3 results stream entry must be an object")
             for key in ("id", "bytes", "retransmits", "jitter", "errors", "packets"):
                 if key not in item:
-                    raise ProtocolError(f"iperf3 results stream entry lacks {key!r}")
+                    raise RemoteProtocolError(f"iperf3 results stream entry lacks {key!r}")
             streams.append(StreamResult(
                 id=_get_int(item, "id", 0, 0, 2**31 - 1), bytes=_get_int(item, "bytes", 0, 0, 2**63 - 1),
                 retransmits=_unsigned_minus_one(_get_int(item, "retransmits", -1, -1, 2**64 - 1)),

@@ -12,8 +12,9 @@ The wire, as iperf3 speaks it on its control connection:
   some servers send only the first and close).
 
 ``ControlConnection`` turns received bytes into events and events into bytes; it never touches a
-socket. Every length is checked against a bound before anything is buffered, and any violation
-raises ``wanlink.errors.ProtocolError`` (``LimitExceeded`` for bounds).
+socket. Every length is checked against a bound before anything is buffered. Whatever the peer
+sent wrong raises ``RemoteProtocolError`` (``LimitExceeded`` for bounds); sending what the protocol
+does not allow now, or a message over its bound, raises ``LocalProtocolError`` (a bug on this side).
 
 wanlink extension (invisible to stock iperf3): a client that puts ``"wanlink": {...}`` in its
 parameters may be answered with state ``WANLINK_ACCEPT`` (77) followed by a length-prefixed JSON
@@ -29,7 +30,7 @@ import struct
 from dataclasses import dataclass
 from typing import Union
 
-from wanlink.errors import LimitExceeded, ProtocolError, WanlinkError
+from wanlink.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 
 COOKIE_SIZE = 37
 COOKIE_ALPHABET = b"abcdefghijklmnopqrstuvwxyz234567"
@@ -69,10 +70,6 @@ class State(enum.IntEnum):
 class Role(enum.Enum):
     CLIENT = "client"
     SERVER = "server"
-
-
-class UsageError(WanlinkError, RuntimeError):
-    """This side tried to send something the protocol does not allow now (a local bug)."""
 
 
 # ----------------------------------------------------------------------------- events
@@ -142,10 +139,10 @@ def make_cookie() -> bytes:
 def check_cookie(cookie: bytes) -> bytes:
     """Validate a received cookie (37 bytes, printable ASCII, NUL-terminated); return it."""
     if len(cookie) != COOKIE_SIZE:
-        raise ProtocolError(f"iperf3 cookie must be {COOKIE_SIZE} bytes, got {len(cookie)}")
+        raise RemoteProtocolError(f"iperf3 cookie must be {COOKIE_SIZE} bytes, got {len(cookie)}")
     body, end = cookie[:-1], cookie[-1]
     if end != 0 or any(not 0x21 <= b <= 0x7E for b in body):
-        raise ProtocolError("iperf3 cookie is not 36 printable characters and a NUL")
+        raise RemoteProtocolError("iperf3 cookie is not 36 printable characters and a NUL")
     return bytes(cookie)
 
 
@@ -158,9 +155,9 @@ def _decode_json(payload: bytes, what: str) -> dict:
     try:
         value = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ProtocolError(f"malformed iperf3 {what} JSON: {exc}") from None
+        raise RemoteProtocolError(f"malformed iperf3 {what} JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ProtocolError(f"iperf3 {what} JSON must be an object, got {type(value).__name__}")
+        raise RemoteProtocolError(f"iperf3 {what} JSON must be an object, got {type(value).__name__}")
     return value
 
 
@@ -168,7 +165,7 @@ def encode_json(obj: dict, limit: int = MAX_RESULTS_JSON, what: str = "message")
     """Length-prefixed compact JSON, as iperf3's ``JSON_write``."""
     body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
     if len(body) > limit:
-        raise LimitExceeded(f"iperf3 {what} JSON bytes", len(body), limit)
+        raise LocalProtocolError(f"iperf3 {what} JSON: {len(body)} bytes > {limit}, the most the protocol carries")
     return _LEN.pack(len(body)) + body
 
 
@@ -196,7 +193,7 @@ class ControlConnection:
     # ------------------------------------------------------------------ receiving
     def receive_data(self, data: bytes) -> None:
         if self._eof and data:
-            raise UsageError("receive_data after end of stream")
+            raise LocalProtocolError("receive_data after end of stream")
         if not data:
             self._eof = True
             return
@@ -228,7 +225,7 @@ class ControlConnection:
                 self._expect = "done"
                 return ServerError(self._pending_errno)
             if self._buf:
-                raise ProtocolError(f"iperf3 peer closed in the middle of a message ({len(self._buf)} bytes left)")
+                raise RemoteProtocolError(f"iperf3 peer closed in the middle of a message ({len(self._buf)} bytes left)")
             self._closed_reported = True
             return ConnectionClosed()
         return NEED_DATA
@@ -249,7 +246,7 @@ class ControlConnection:
             (size,) = _LEN.unpack_from(self._buf)
             limit = self.max_params if kind == "params" else self.max_results
             if size == 0:
-                raise ProtocolError(f"iperf3 {kind} JSON has length 0")
+                raise RemoteProtocolError(f"iperf3 {kind} JSON has length 0")
             if size > limit:
                 raise LimitExceeded(f"iperf3 {kind} JSON bytes", size, limit)
             if len(self._buf) < _LEN.size + size:
@@ -275,7 +272,7 @@ class ControlConnection:
             return ServerError(self._pending_errno, value)
         if expect == "done":
             if self._buf:
-                raise ProtocolError(f"iperf3 peer sent {len(self._buf)} bytes after the end of the test")
+                raise RemoteProtocolError(f"iperf3 peer sent {len(self._buf)} bytes after the end of the test")
             return NEED_DATA
         raw = self._take(1)
         if raw is None:
@@ -286,12 +283,12 @@ class ControlConnection:
         try:
             state = State(value)
         except ValueError:
-            raise ProtocolError(f"unknown iperf3 state {value}") from None
+            raise RemoteProtocolError(f"unknown iperf3 state {value}") from None
         if self.role is Role.CLIENT:
             allowed = _CLIENT_MAY_RECEIVE.get(self.last_received, set())
             if state not in allowed:
                 prev = self.last_received.name if self.last_received is not None else "start"
-                raise ProtocolError(f"iperf3 server sent {state.name} after {prev}")
+                raise RemoteProtocolError(f"iperf3 server sent {state.name} after {prev}")
             self.last_received = state
             if state is State.SERVER_ERROR:
                 self._expect = "errno"
@@ -305,13 +302,13 @@ class ControlConnection:
             return StateChange(state)
         # server side: states from the client
         if self.last_sent is None or self.last_sent is State.SERVER_ERROR:
-            raise ProtocolError(f"iperf3 client sent {state.name} before the parameter exchange")
+            raise RemoteProtocolError(f"iperf3 client sent {state.name} before the parameter exchange")
         if state is State.TEST_END and self.last_sent in (State.TEST_START, State.TEST_RUNNING):
             pass
         elif state is State.IPERF_DONE or state is State.CLIENT_TERMINATE:
             self._expect = "done"
         else:
-            raise ProtocolError(f"iperf3 client sent {state.name} after server state {self.last_sent.name}")
+            raise RemoteProtocolError(f"iperf3 client sent {state.name} after server state {self.last_sent.name}")
         self.last_received = state
         return StateChange(state)
 
@@ -320,19 +317,22 @@ class ControlConnection:
         """Bytes to put on the wire for ``event`` (checked against the protocol)."""
         if isinstance(event, Cookie):
             if self.role is not Role.CLIENT or self.cookie is not None:
-                raise UsageError("only the client sends the cookie, once")
-            self.cookie = check_cookie(event.value)
+                raise LocalProtocolError("only the client sends the cookie, once")
+            try:
+                self.cookie = check_cookie(event.value)
+            except RemoteProtocolError as exc:
+                raise LocalProtocolError(f"cannot send this cookie: {exc}") from None
             return self.cookie
         if isinstance(event, StateChange):
             return self._send_state(State(event.state))
         if isinstance(event, Parameters):
             if self.role is not Role.CLIENT or self.last_received is not State.PARAM_EXCHANGE:
-                raise UsageError("parameters are sent by the client after PARAM_EXCHANGE")
+                raise LocalProtocolError("parameters are sent by the client after PARAM_EXCHANGE")
             return encode_json(event.params, self.max_params, "params")
         if isinstance(event, Results):
             state = self.last_received if self.role is Role.CLIENT else self.last_sent
             if state is not State.EXCHANGE_RESULTS:
-                raise UsageError("results are sent after EXCHANGE_RESULTS")
+                raise LocalProtocolError("results are sent after EXCHANGE_RESULTS")
             return encode_json(event.results, self.max_results, "results")
         if isinstance(event, WanlinkAccept):
             head = self._send_state(State.WANLINK_ACCEPT)
@@ -341,16 +341,16 @@ class ControlConnection:
             head = self._send_state(State.SERVER_ERROR)
             tail = _ERRNO.pack(event.i_errno) + (_ERRNO.pack(event.errno) if event.errno is not None else b"")
             return head + tail
-        raise UsageError(f"cannot send {event!r}")
+        raise LocalProtocolError(f"cannot send {event!r}")
 
     def _send_state(self, state: State) -> bytes:
         if self.role is Role.SERVER:
             if self.cookie is None:
-                raise UsageError("the server sends states only after reading the cookie")
+                raise LocalProtocolError("the server sends states only after reading the cookie")
             allowed = _SERVER_MAY_SEND.get(self.last_sent, set())
             if state not in allowed:
                 prev = self.last_sent.name if self.last_sent is not None else "start"
-                raise UsageError(f"server may not send {state.name} after {prev}")
+                raise LocalProtocolError(f"server may not send {state.name} after {prev}")
             self.last_sent = state
             if state is State.PARAM_EXCHANGE:
                 self._expect = "json:params"
@@ -358,10 +358,10 @@ class ControlConnection:
                 self._expect = "json:results"
             return struct.pack("b", state)
         if state not in (State.TEST_END, State.IPERF_DONE, State.CLIENT_TERMINATE):
-            raise UsageError(f"client may not send {state.name}")
+            raise LocalProtocolError(f"client may not send {state.name}")
         if self.cookie is None:
-            raise UsageError("the client sends the cookie first")
+            raise LocalProtocolError("the client sends the cookie first")
         if state is State.TEST_END and self.last_received is not State.TEST_RUNNING:
-            raise UsageError("TEST_END is sent while the test is running")
+            raise LocalProtocolError("TEST_END is sent while the test is running")
         self.last_sent = state
         return struct.pack("b", state)
