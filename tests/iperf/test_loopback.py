@@ -281,3 +281,14 @@ async def test_interrupted_test_leaves_no_sampling_behind(mode):
         await asyncio.sleep(0)  # let cancelled tasks finish
     samplers = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.startswith("Meter.")]
     assert samplers == []
+
+
+@pytest.mark.asyncio
+async def test_malformed_setting_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("WANLINK_STREAMS", "lots")
+    rc, out, err = await client("127.0.0.1", "-p", str(free_port()), "-t", "1", "-J")
+    assert rc == 1 and "WANLINK_STREAMS" in err and "WANLINK_STREAMS" in json.loads(out)["error"]
+    err = io.StringIO()
+    rc = await asyncio.wait_for(run(["-s", "-p", "0", "-B", "127.0.0.1"], stdout=io.StringIO(), stderr=err,
+                                    stop=asyncio.Event()), LIMIT)
+    assert rc == 1 and "WANLINK_STREAMS" in err.getvalue()
