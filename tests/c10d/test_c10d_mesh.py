@@ -33,7 +33,7 @@ def test_failed_rendezvous_closes_the_server_and_the_links_made_so_far():
     from wanlink.c10d.mesh import ADDRESS_KEY, LOCAL_KEY, WORLD_KEY, Mesh
     from wanlink.errors import PeerLost
     from wanlink.io.runtime import get_runtime
-    from wanlink.io.server import serve
+    from wanlink.endpoints import serve
     from wanlink.settings import Settings
 
     runtime = get_runtime()

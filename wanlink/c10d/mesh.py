@@ -26,9 +26,8 @@ import torch.distributed as dist
 
 from wanlink.c10d.tags import group_slot
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost
-from wanlink.io.link import connect
+from wanlink.endpoints import connect, serve
 from wanlink.io.runtime import get_runtime
-from wanlink.io.server import serve
 from wanlink.io.sockets import same_host_key
 from wanlink.settings import Settings
 
@@ -109,6 +108,7 @@ class Mesh:
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, settings: Settings):
         self.rank, self.size, self.timeout = rank, size, timeout
+        self.settings = settings
         self.streams, self.chunk_size = settings.streams, settings.chunk_size
         self.compress = settings.compress  # lz4 per chunk where it shrinks
         self.runtime = get_runtime()
@@ -126,7 +126,7 @@ class Mesh:
         host_key = same_host_key() if settings.unix else ""
         self.server = self.runtime.run(
             serve(bind, 0, secret=self.secret, on_link=self._on_link, compress=self.compress,
-                  chunk_size=self.chunk_size, unix=bool(host_key)),
+                  chunk_size=self.chunk_size, unix=bool(host_key), settings=settings),
             timeout.total_seconds())
         try:
             self._rendezvous(store, advertised, host_key)
@@ -185,7 +185,8 @@ class Mesh:
                                  secret=self.secret,
                                  meta={"rank": self.rank, "world": self.world},
                                  timeout=self.timeout.total_seconds(), compress=self.compress,
-                                 chunk_size=self.chunk_size, unix_name=self.unix_names.get(peer))
+                                 chunk_size=self.chunk_size, unix_name=self.unix_names.get(peer),
+                                 settings=self.settings)
         except BaseException as error:  # noqa: BLE001 - handed to every waiter
             if not slot.done():
                 slot.set_exception(PeerLost(f"wanlink: cannot connect rank {self.rank} -> rank {peer} "
