@@ -43,10 +43,10 @@ def collective_latency(phases) -> float:
 def server_rate(net: Network) -> float:
     """B of the parameter-server model: the rate the slowest worker gets to a server on rank 0's site alone."""
     server = net.rank_site[0]
-    rates = [net.capacity[("lan", server)]]
+    rates = [net.capacity[("lan", server)]] + [net.capacity[key] for key in (("host_out", 0), ("host_in", 0))
+                                               if key in net.capacity]
     for site in set(net.rank_site) - {server}:
         rates += [net.capacity[("wan", server, site)], net.edge_cap(server, site)]
-        rates += [net.capacity[key] for key in (("host_out", server), ("host_in", site)) if key in net.capacity]
     return min(rates)
 
 

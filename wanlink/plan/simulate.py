@@ -9,7 +9,7 @@ group (collectives over the same links) are served in priority order, FCFS (laun
 (deadline (iteration, -bucket): the first layers' bucket first), each taking what the ones before
 it leave; different groups share max-min fairly; no edge exceeds its ``streams x window / RTT``.
 A rank steps once its backward is done and the exchange of iteration ``i - staleness`` has ended.
-The reported iteration time is the steady period after the first iteration.
+The reported iteration time is the mean period of the second half of the simulated iterations.
 """
 from __future__ import annotations
 
@@ -60,14 +60,14 @@ class _Flow:
 
     @property
     def cap(self) -> float:
-        return self.transfer.cap if self.remaining <= self.capped_at * (1 + 1e-12) else math.inf
+        return self.transfer.cap if self.remaining <= self.capped_at else math.inf
 
-    def next_change(self, now: float) -> float:
-        """When this flow ends or its window cap starts to bind, at its current rate."""
+    def next_change(self, now: float) -> tuple[float, float]:
+        """(when, remaining bytes then): this flow ends or its window cap starts to bind, at its current rate."""
         if self.rate <= 0:
-            return math.inf
-        target = self.capped_at if self.remaining > self.capped_at * (1 + 1e-12) and self.capped_at > 0 else 0.0
-        return now + (self.remaining - target) / self.rate
+            return math.inf, self.remaining
+        target = self.capped_at if self.remaining > self.capped_at > 0 else 0.0
+        return now + (self.remaining - target) / self.rate, target
 
 
 def allocate(flows: list, capacity: dict) -> None:
@@ -220,13 +220,17 @@ class _Simulation:
         for rank in range(self.world):
             self.start_iteration(rank, 0)
         while self.events or self.flows:
-            next_flow = min((f.next_change(self.now) for f in self.flows), default=math.inf)
+            changes = [f.next_change(self.now) for f in self.flows]
+            next_flow = min((when for when, _target in changes), default=math.inf)
             next_event = self.events[0][0] if self.events else math.inf
             if math.isinf(next_flow) and math.isinf(next_event):
                 raise ConfigError("simulation stalled: a transfer has no capacity (a zero-rate resource?)")
             if next_flow <= next_event:
                 self.advance(next_flow)
-                finished = [f for f in self.flows if f.remaining <= max(EPS, f.transfer.edge_bytes * 1e-12)]
+                for flow, (when, target) in zip(self.flows, changes):
+                    if when <= next_flow:  # exactly at its change: no rounding left over
+                        flow.remaining = target
+                finished = [f for f in self.flows if f.remaining <= 0]
                 self.flows = [f for f in self.flows if f not in finished]
                 for flow in finished:
                     self.at(self.now + flow.transfer.latency_s, flow.done)
@@ -237,17 +241,18 @@ class _Simulation:
                 action(*args)
 
 
-def simulate(cluster: Cluster, profile: Profile, choice: Choice = Choice(), iterations: int = 5) -> Prediction:
+def simulate(cluster: Cluster, profile: Profile, choice: Choice = Choice(), iterations: int = 6) -> Prediction:
     """Predict the iteration time of ``choice`` on ``cluster`` by simulating ``iterations`` steps."""
     if iterations < 2:
-        raise ConfigError(f"iterations must be >= 2 (the first is a warm-up), got {iterations}")
+        raise ConfigError(f"iterations must be >= 2 (the first half is a warm-up), got {iterations}")
     choice.check(cluster.world_size)
     sim = _Simulation(cluster, profile, choice, iterations)
     sim.run()
+    settled = iterations // 2  # staleness 1 needs an iteration or two to reach its steady rhythm
     last = max(ends[-1] for ends in sim.ends)
-    first = max(ends[0] for ends in sim.ends)
-    period = (last - first) / (iterations - 1)
-    steady = sim.phase_totals[1:]
+    first = max(ends[settled - 1] for ends in sim.ends)
+    period = (last - first) / (iterations - settled)
+    steady = sim.phase_totals[settled:]
     breakdown = {key: sum(t[key] for t in steady) / (len(steady) * sim.world)
                  for key in ("forward_s", "backward_s", "hook_s", "wait_s", "step_s")}
     comm = sum(sim.comm_spans) / len(sim.comm_spans) if sim.comm_spans else 0.0

@@ -73,11 +73,12 @@ class Network:
     def of(cls, cluster: Cluster, streams: int | None = None) -> "Network":
         net = cls(cluster, streams or cluster.streams)
         net.rank_site = cluster.site_of_rank()
+        for rank, site in enumerate(net.rank_site):
+            cap = cluster.sites[site].host_cap
+            if cap is not None:
+                net.capacity[("host_out", rank)] = net.capacity[("host_in", rank)] = cap * cluster.efficiency
         for i, a in enumerate(cluster.sites):
             net.capacity[("lan", i)] = a.lan_rate
-            if a.host_cap is not None:
-                net.capacity[("host_out", i)] = a.host_cap * cluster.efficiency
-                net.capacity[("host_in", i)] = a.host_cap * cluster.efficiency
             for j, b in enumerate(cluster.sites):
                 if i != j:
                     net.capacity[("wan", i, j)] = cluster.path(a.name, b.name).rate * cluster.efficiency
@@ -99,28 +100,24 @@ class Network:
         return self.cluster.flow_cap(self.cluster.sites[i].name, self.cluster.sites[j].name,
                                      self.streams_used(message_bytes))
 
-    def transfer(self, edges: Counter, per_host_out: Counter, per_host_in: Counter, edge_bytes: float,
+    def transfer(self, edges: Counter, lan_per_host: Counter, wan_out: Counter, wan_in: Counter, edge_bytes: float,
                  steps: int, group: tuple, label: str, message_bytes: float) -> Transfer:
-        """A Transfer from edge counts per (site, site) and the busiest host's edge counts per site;
-        ``message_bytes`` is the size of one send (it sets how many streams carry it)."""
-        usage: dict = {}
+        """A Transfer from its edge counts per (site, site), the busiest host's LAN edges per site, and
+        each rank's WAN edges out and in; ``message_bytes`` is one send (it sets the streams used)."""
+        usage: dict = {("lan", site): count for site, count in lan_per_host.items()}
         cap, slowest, total_delay = math.inf, 0.0, 0.0
         wan_edges = 0
         for (i, j), count in edges.items():
             cap = min(cap, self.edge_cap(i, j, message_bytes))
             slowest = max(slowest, self.delay(i, j))
             total_delay += count * self.delay(i, j)
-            if i == j:
-                usage[("lan", i)] = max(usage.get(("lan", i), 0), per_host_out.get(("lan", i), 0))
-            else:
+            if i != j:
                 usage[("wan", i, j)] = count
                 wan_edges += count
-        for key, count in per_host_out.items():
-            if key[0] == "wan" and ("host_out", key[1]) in self.capacity:
-                usage[("host_out", key[1])] = count
-        for key, count in per_host_in.items():
-            if ("host_in", key) in self.capacity:
-                usage[("host_in", key)] = count
+        for kind, counts in (("host_out", wan_out), ("host_in", wan_in)):
+            for rank, count in counts.items():
+                if (kind, rank) in self.capacity:
+                    usage[(kind, rank)] = count
         # a ring's data passes its edges in turn (a step costs the mean edge delay), one hop costs the
         # slowest; a send ends when the peer's acknowledgement is back: one more one-way delay
         hop = total_delay / sum(edges.values()) if steps > 1 else slowest
@@ -142,35 +139,36 @@ def alone_rate(transfer: Transfer, capacity: dict, capped: bool = True) -> float
 def ring(net: Network, members: list[int], edge_bytes: float, steps: int, group: tuple, label: str) -> Transfer:
     """Every member sends ``edge_bytes`` to the next (in the given order), ``steps`` hops deep, in
     sends of ``edge_bytes / steps`` (at most one ``PIECE_BYTES`` piece)."""
-    edges, host_out, host_in = Counter(), Counter(), Counter()
+    edges, lan, wan_out, wan_in = Counter(), Counter(), Counter(), Counter()
     for index, rank in enumerate(members):
-        a, b = net.rank_site[rank], net.rank_site[members[(index + 1) % len(members)]]
+        after = members[(index + 1) % len(members)]
+        a, b = net.rank_site[rank], net.rank_site[after]
         edges[(a, b)] += 1
-        kind = "lan" if a == b else "wan"
-        host_out[(kind, a)] = 1
-        if a != b:
-            host_in[b] = 1
-    return net.transfer(edges, host_out, host_in, edge_bytes, steps, group, label,
+        if a == b:
+            lan[a] = 1
+        else:
+            wan_out[rank] += 1
+            wan_in[after] += 1
+    return net.transfer(edges, lan, wan_out, wan_in, edge_bytes, steps, group, label,
                         min(edge_bytes / steps, PIECE_BYTES))
 
 
 def all_pairs(net: Network, members: list[int], edge_bytes: float, group: tuple, label: str) -> Transfer:
     """Every member sends ``edge_bytes`` to every other member (one hop)."""
     per_site = Counter(net.rank_site[r] for r in members)
-    edges, host_out, host_in = Counter(), Counter(), Counter()
+    edges, lan, wan = Counter(), Counter(), Counter()
     for a, n_a in per_site.items():
         for b, n_b in per_site.items():
             count = n_a * (n_b - 1) if a == b else n_a * n_b
             if count:
                 edges[(a, b)] += count
-        local = per_site[a] - 1
-        if local:
-            host_out[("lan", a)] = local
-        remote = len(members) - per_site[a]
+        if per_site[a] > 1:
+            lan[a] = per_site[a] - 1
+    for rank in members:
+        remote = len(members) - per_site[net.rank_site[rank]]
         if remote:
-            host_out[("wan", a)] = remote
-            host_in[a] = remote
-    return net.transfer(edges, host_out, host_in, edge_bytes, 1, group, label, edge_bytes)
+            wan[rank] = remote
+    return net.transfer(edges, lan, wan, wan, edge_bytes, 1, group, label, edge_bytes)
 
 
 Phases = list  # list of phases, each a list of Transfers that run at once; a phase starts when the previous ends
