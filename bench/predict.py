@@ -8,6 +8,9 @@ the same (the same CPU sharing as in training), then trains and times its iterat
 prediction for a configuration uses the slowest rank's profile and a cluster description built
 from the path's settings (RTT, rate, the emulator's 1536 KiB window per flow, 1448/1500 goodput,
 the stream count), and compares the median measured iteration with the coarse and fine models.
+The headline predictions also take two inputs measured in the same run (see ``predict``): the
+path's goodput (wanlink-iperf, 8 streams, 4 s, before the path's configurations) and the compute
+speed during training (from the forward passes, which do no communication).
 
     sudo python3 dev.py bench bench/predict.py [--only NAME...] [--predict-only]
 
@@ -33,6 +36,7 @@ DEPTH_IN, WIDTH, CLASSES, BATCH = 1024, 1024, 256, 64
 BUCKET_CAP_MB = 4
 SKIP_FIRST = 3  # excluded from the median: DDP bucket rebuild, TCP ramp-up, the first stale step
 LAN_RATE = "20 Gbit/s"  # wanlink over Unix sockets, bench/results/loopback_unix.json (median, 1 stream)
+LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
@@ -107,17 +111,20 @@ def worker(args) -> None:
         ddp.register_comm_hook(state, sparse_hook.block_sparse_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     dist.barrier()
-    seconds = []
+    seconds, forward = [], []
     for _ in range(config["iterations"]):
         begin = time.perf_counter()
         optimizer.zero_grad()
-        default_loss(ddp(batch[0]), batch).backward()
+        loss = default_loss(ddp(batch[0]), batch)
+        forward.append(time.perf_counter() - begin)
+        loss.backward()
         optimizer.step()
         seconds.append(time.perf_counter() - begin)
     if state is not None and state.flush():
         optimizer.step()
     dist.barrier()
-    Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(), "seconds": seconds}))
+    Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(), "seconds": seconds,
+                                             "forward": forward}))
     dist.destroy_process_group()
 
 
@@ -141,27 +148,48 @@ def measure(path, config: dict, port: int) -> dict:
         results = [json.loads(Path(out).read_text()) for out in outs]
     per_rank = [statistics.median(r["seconds"][SKIP_FIRST:]) for r in results]
     return {**config, "measured_s": max(per_rank), "per_rank_median_s": per_rank,
-            "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results]}
+            "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
+            "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results]}
+
+
+def _cluster(row: dict, rate_mbit: float, efficiency: float):
+    from wanlink.plan import cluster_from_dict
+
+    half = row["ranks"] // 2
+    return cluster_from_dict({
+        "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": LAN_RATE, "efficiency": efficiency},
+        "site": [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}],
+        "path": [{"sites": ["a", "b"], "rtt": f"{row['rtt_ms']} ms", "rate": f"{rate_mbit} Mbit/s"}]})
 
 
 def predict(row: dict) -> dict:
-    """Coarse and fine predictions for a measured row (from its own ranks' profiles)."""
-    from wanlink.plan import Choice, coarse, cluster_from_dict, profile_from_json, simulate
+    """Coarse and fine predictions for a measured row.
 
+    "profile only": the slowest rank's pre-run profile and the path's nominal settings. The
+    headline ("calibrated") uses two more measured inputs from the same run: the path's goodput as
+    wanlink-iperf measured it with 8 streams just before, and the compute speed during training
+    (the profile scaled by the ratio of the ranks' median forward time in training to the
+    profiled one; forward passes do no communication).
+    """
+    from wanlink.plan import Choice, coarse, profile_from_json, simulate
+
+    choice = Choice(density=row["density"], staleness=row["staleness"], order=row["order"])
     profiles = [profile_from_json(doc) for doc in row["profiles"]]
     profile = max(profiles, key=lambda p: p.compute_s)
-    half = row["ranks"] // 2
-    cluster = cluster_from_dict({
-        "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": LAN_RATE},
-        "site": [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}],
-        "path": [{"sites": ["a", "b"], "rtt": f"{row['rtt_ms']} ms", "rate": f"{row['rate_mbit']} Mbit/s"}]})
-    choice = Choice(density=row["density"], staleness=row["staleness"], order=row["order"])
-    fine, rough = simulate(cluster, profile, choice), coarse(cluster, profile, choice)
+    nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
+    scaled = [p.scaled(speed=p.forward_s / measured) for p, measured in zip(profiles, row["train_forward_s"])]
+    running = max(scaled, key=lambda p: p.compute_s)
+    calibrated = _cluster(row, row["link_mbit"], 1.0)
     measured = row["measured_s"]
-    return {"fine_s": fine.iteration_s, "coarse_s": rough.iteration_s,
-            "fine_error": (fine.iteration_s - measured) / measured,
-            "coarse_error": (rough.iteration_s - measured) / measured,
-            "profile_compute_s": profile.compute_s, "fine_breakdown": fine.breakdown}
+    out = {"profile_compute_s": profile.compute_s, "running_compute_s": running.compute_s}
+    for label, cluster, prof in (("", calibrated, running), ("profile_only_", nominal, profile)):
+        fine, rough = simulate(cluster, prof, choice), coarse(cluster, prof, choice)
+        out.update({f"{label}fine_s": fine.iteration_s, f"{label}coarse_s": rough.iteration_s,
+                    f"{label}fine_error": (fine.iteration_s - measured) / measured,
+                    f"{label}coarse_error": (rough.iteration_s - measured) / measured})
+        if not label:
+            out["fine_breakdown"] = fine.breakdown
+    return out
 
 
 def plot(rows: list[dict], out: str):
@@ -171,8 +199,10 @@ def plot(rows: list[dict], out: str):
     measured = [r["measured_s"] for r in rows]
     ax.scatter(measured, [r["fine_s"] for r in rows], label="fine (discrete-event)", marker="o")
     ax.scatter(measured, [r["coarse_s"] for r in rows], label="coarse (closed form)", marker="x")
-    low = min(measured + [r["fine_s"] for r in rows] + [r["coarse_s"] for r in rows]) * 0.8
-    high = max(measured + [r["fine_s"] for r in rows] + [r["coarse_s"] for r in rows]) * 1.25
+    ax.scatter(measured, [r["profile_only_fine_s"] for r in rows], label="fine, profile and nominal link only",
+               marker="o", facecolors="none", edgecolors="C2")
+    values = measured + [r[k] for r in rows for k in ("fine_s", "coarse_s", "profile_only_fine_s")]
+    low, high = min(values) * 0.8, max(values) * 1.25
     ax.plot([low, high], [low, high], color="grey", linewidth=1, label="predicted = measured")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -190,17 +220,21 @@ def report(rows: list[dict], load: dict, out: str) -> None:
     for row in rows:
         row.update(predict(row))
         row["fine_error_pct"], row["coarse_error_pct"] = 100 * row["fine_error"], 100 * row["coarse_error"]
-    print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"),
-                       ("profile_compute_s", "compute s", ".3f"), ("measured_s", "measured s", ".3f"),
+        row["profile_only_fine_error_pct"] = 100 * row["profile_only_fine_error"]
+    print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
+                       ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
+                       ("running_compute_s", "running compute s", ".3f"), ("measured_s", "measured s", ".3f"),
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
-                       ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f")])
-    fine = [abs(r["fine_error"]) for r in rows]
-    rough = [abs(r["coarse_error"]) for r in rows]
-    summary = {"fine_mean_abs_error": statistics.mean(fine), "fine_max_abs_error": max(fine),
-               "coarse_mean_abs_error": statistics.mean(rough), "coarse_max_abs_error": max(rough)}
-    print(f"\nfine: mean |error| {100 * summary['fine_mean_abs_error']:.1f} %, max {100 * summary['fine_max_abs_error']:.1f} %;"
-          f" coarse: mean {100 * summary['coarse_mean_abs_error']:.1f} %, max {100 * summary['coarse_max_abs_error']:.1f} %"
-          f"; load {load}")
+                       ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
+                       ("profile_only_fine_s", "fine, profile only s", ".3f"),
+                       ("profile_only_fine_error_pct", "err %", "+.1f")])
+    summary = {}
+    for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"):
+        errors = [abs(r[f"{key}_error"]) for r in rows]
+        summary.update({f"{key}_mean_abs_error": statistics.mean(errors), f"{key}_max_abs_error": max(errors)})
+    print("\n" + "; ".join(f"{key.replace('_', ' ')}: mean |error| {100 * summary[key + '_mean_abs_error']:.1f} %, "
+                           f"max {100 * summary[key + '_max_abs_error']:.1f} %"
+                           for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse")) + f"; load {load}")
     save_json(out, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST})
     print("wrote", plot(rows, out))
 
@@ -227,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads((RESULTS / f"{args.out}.json").read_text())
         report(saved["rows"], saved["load"], args.out)
         return 0
+    from bench.wan_throughput import run_wanlink
     from bench.wanem.netns import WanPath
 
     chosen = [c for c in CONFIGS if not args.only or c["name"] in args.only]
@@ -237,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         with WanPath(rtt_ms=rtt_ms, rate_mbit=rate_mbit) as path:
             for run in (path.run_a, path.run_b):  # every variant alike: no slow start after idle
                 run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
+            link_mbit = run_wanlink(path, LINK_STREAMS, LINK_SECONDS, None)["gbps"] * 1e3
+            print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s", flush=True)
             for config in [c for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)]:
                 started = time.monotonic()
                 row = measure(path, config, 29700 + len(rows))
-                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started)
+                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit)
                 rows.append(row)
                 print(f"{config['name']}: {row['measured_s']:.3f} s/iteration ({row['wall_s']:.0f} s, "
                       f"load {row['load1']:.2f})", flush=True)
