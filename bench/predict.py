@@ -16,6 +16,11 @@ speed during training (from the forward passes, which do no communication).
 
 ``--predict-only`` recomputes the predictions from the measured runs saved in
 bench/results/predict.json (no emulator needed). Writes bench/results/predict.{json,png}.
+
+``--allocation`` instead benches heterogeneous batch allocation: two ranks on loopback, rank 1
+slowed by an injected sleep per sample; each rank fits f_i(x) = min(beta/alpha x, beta) from a
+doubling batch sweep, ``allocate_batches`` splits the global batch, and blocks of iterations with
+the equal and the allocated split alternate in the same run (bench/results/predict_allocation.*).
 """
 from __future__ import annotations
 
@@ -40,10 +45,11 @@ LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path 
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
 
-def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8, order=None, iterations=None):
+def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8, order=None, iterations=None,
+            bucket_cap_mb=BUCKET_CAP_MB):
     order = order or ("fcfs" if density is None else "edf")  # dense DDP all-reduces carry no deadline
     return {"name": name, "ranks": ranks, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "density": density,
-            "staleness": staleness, "streams": streams, "order": order,
+            "staleness": staleness, "streams": streams, "order": order, "bucket_cap_mb": bucket_cap_mb,
             "iterations": iterations or (10 if density is None and rate_mbit <= 100 else 20)}
 
 
@@ -53,6 +59,7 @@ CONFIGS = [
     _config("2r 80ms 100M dense", 2, 80, 100),
     _config("2r 80ms 2000M dense 1 stream", 2, 80, 2000, streams=1),
     _config("2r 80ms 2000M dense 8 streams", 2, 80, 2000),
+    _config("2r 80ms 2000M dense 2 buckets", 2, 80, 2000, bucket_cap_mb=25),
     _config("2r 40ms 500M sparse 1%", 2, 40, 500, density=0.01),
     _config("2r 80ms 100M sparse 1%", 2, 80, 100, density=0.01),
     _config("2r 80ms 100M sparse 1% fcfs", 2, 80, 100, density=0.01, order="fcfs"),
@@ -99,9 +106,9 @@ def worker(args) -> None:
     model = make_model()
     batch = make_batch(args.rank)
     dist.barrier()
-    profile = profile_model(make_model(), batch, warmup=3, iterations=8, bucket_cap_mb=BUCKET_CAP_MB,
+    profile = profile_model(make_model(), batch, warmup=3, iterations=8, bucket_cap_mb=config["bucket_cap_mb"],
                             density=config["density"], name="bench.predict MLP")
-    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=True)
+    ddp = DDP(model, bucket_cap_mb=config["bucket_cap_mb"], gradient_as_bucket_view=True)
     state = None
     if config["density"] is not None:
         if config["order"] == "fcfs":  # every exchange gets one deadline: the link serves them in launch order
@@ -239,13 +246,123 @@ def report(rows: list[dict], load: dict, out: str) -> None:
     print("wrote", plot(rows, out))
 
 
+SLOW_RANK_S_PER_SAMPLE = 0.001  # rank 1's injected slowdown: it sleeps this long per sample each step
+ALLOCATION_GLOBAL_BATCH = 128
+ALLOCATION_ROUNDS, ALLOCATION_BLOCK = 3, 6  # equal and allocated splits alternate in blocks of iterations
+
+
+def allocation_worker(args) -> None:
+    """One rank of the allocation bench (loopback): fit f_i, allocate, then alternate equal and
+    allocated splits, timing every iteration."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import wanlink  # noqa: F401 - registers the backend
+    from wanlink.plan.allocate import allocate_batches, equal_split, fit_throughput, loss_weight, probe_batch_sizes
+    from wanlink.plan.profiler import default_loss
+
+    torch.set_num_threads(1)
+    slow = SLOW_RANK_S_PER_SAMPLE if args.rank == 1 else 0.0
+    store = dist.TCPStore("127.0.0.1", args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=2)
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def local_step(batch, weight=1.0, net=model):
+        optimizer.zero_grad()
+        loss = default_loss(net(batch[0]), batch)
+        time.sleep(slow * len(batch[0]))
+        (loss * weight).backward()
+        optimizer.step()
+
+    def measure(size):
+        batch = make_batch(args.rank, size)
+        local_step(batch)
+        times = []
+        for _ in range(3):
+            begin = time.perf_counter()
+            local_step(batch)
+            times.append(time.perf_counter() - begin)
+        return statistics.median(times)
+
+    samples, largest = probe_batch_sizes(measure, start=8, limit=ALLOCATION_GLOBAL_BATCH)
+    mine = fit_throughput(samples, max_batch=largest)
+    fits = [None, None]
+    dist.all_gather_object(fits, mine)
+    plan = allocate_batches(ALLOCATION_GLOBAL_BATCH, fits)
+    splits = {"equal": equal_split(ALLOCATION_GLOBAL_BATCH, 2), "allocated": plan.batches}
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    batches = {name: make_batch(args.rank, split[args.rank]) for name, split in splits.items()}
+    times = {name: [] for name in splits}
+    for _round in range(ALLOCATION_ROUNDS):
+        for name, split in splits.items():
+            weight = loss_weight(split[args.rank], ALLOCATION_GLOBAL_BATCH, 2)
+            for iteration in range(ALLOCATION_BLOCK):
+                dist.barrier()
+                begin = time.perf_counter()
+                local_step(batches[name], weight, ddp)
+                if iteration:  # the first of a block re-warms buffers for the new batch size
+                    times[name].append(time.perf_counter() - begin)
+    if args.rank == 0:
+        predicted = {name: max(f.seconds(b) for f, b in zip(fits, split)) for name, split in splits.items()}
+        Path(args.out_file).write_text(json.dumps({
+            "fits": [f.__dict__ for f in fits], "samples_rank0": samples, "splits": splits, "times": times,
+            "predicted_compute_s": predicted}))
+    dist.destroy_process_group()
+
+
+def allocation_bench(out: str) -> None:
+    import subprocess
+
+    from bench.reporting import new_figure, print_table, save_figure, save_json
+
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "allocation.json")
+        port = 29790
+        procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--allocation-worker",
+                                   "--rank", str(rank), "--port", str(port), "--out-file", result_file],
+                                  env={**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY})
+                 for rank in range(2)]
+        codes = [proc.wait(timeout=900) for proc in procs]
+        if any(codes):
+            raise RuntimeError(f"allocation bench ranks exited with {codes}")
+        result = json.loads(Path(result_file).read_text())
+    rows = [{"split": name, "batches": "/".join(map(str, result["splits"][name])),
+             "median_s": statistics.median(result["times"][name]), "predicted_compute_s": result["predicted_compute_s"][name]}
+            for name in ("equal", "allocated")]
+    speedup = rows[0]["median_s"] / rows[1]["median_s"]
+    load = {"before": load_before, "after": os.getloadavg()[0]}
+    print(f"2 ranks on loopback (wanlink backend), global batch {ALLOCATION_GLOBAL_BATCH}, rank 1 sleeps "
+          f"{SLOW_RANK_S_PER_SAMPLE * 1e3:g} ms per sample; fits (alpha, beta samples/s): "
+          + ", ".join(f"({f['alpha']:.1f}, {f['beta']:.0f})" for f in result["fits"]) + f"; load {load}")
+    print_table(rows, [("split", "split", ""), ("batches", "local batches", ""), ("median_s", "median s/iteration", ".3f"),
+                       ("predicted_compute_s", "predicted slowest compute s", ".3f")])
+    print(f"allocated vs equal split: {speedup:.2f}x faster (same run, blocks alternating)")
+    save_json(out, {"rows": rows, "speedup": speedup, "load": load, **result,
+                    "slow_rank_s_per_sample": SLOW_RANK_S_PER_SAMPLE, "global_batch": ALLOCATION_GLOBAL_BATCH})
+    fig, ax = new_figure(figsize=(6, 4))
+    labels = [f"{r['split']}\n{r['batches']}" for r in rows]
+    ax.bar([0, 1], [r["median_s"] for r in rows], width=0.4, label="measured (median)")
+    ax.bar([0.4, 1.4], [r["predicted_compute_s"] for r in rows], width=0.4, label="predicted slowest rank's compute")
+    ax.set_xticks([0.2, 1.2], labels)
+    ax.set_ylabel("seconds per iteration")
+    ax.legend(fontsize=8)
+    print("wrote", save_figure(fig, out))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=[c["name"] for c in CONFIGS], help="configurations to run")
     parser.add_argument("--predict-only", action="store_true",
                         help="recompute predictions from the measured rows in bench/results/<out>.json")
     parser.add_argument("--out", default="predict", help="result name under bench/results/")
+    parser.add_argument("--allocation", action="store_true",
+                        help="instead: the heterogeneous batch allocation bench (loopback, no emulator)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--allocation-worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--config", "--master", "--address"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -254,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.allocation_worker:
+        allocation_worker(args)
+        return 0
+    if args.allocation:
+        allocation_bench(args.out if args.out != "predict" else "predict_allocation")
         return 0
     from bench.reporting import RESULTS
 

@@ -81,28 +81,31 @@ def probe_batch_sizes(measure, start: int = 1, limit: int = 1 << 16, is_oom=_out
     if start < 1 or limit < start:
         raise ConfigError(f"need 1 <= start <= limit, got start={start} limit={limit}")
     samples, good, bad = [], None, None
-    batch = start
-    while batch <= limit:
+
+    def fits(batch: int) -> bool:
         try:
             samples.append((batch, measure(batch)))
-            good = batch
         except Exception as error:
             if not is_oom(error):
                 raise
+            return False
+        return True
+
+    batch = start
+    while batch <= limit:
+        if not fits(batch):
             bad = batch
             break
+        good = batch
         batch *= 2
     if good is None:
         raise ConfigError(f"even a batch of {start} runs out of memory")
     if bad is not None:
         while bad - good > 1:
             middle = (good + bad) // 2
-            try:
-                samples.append((middle, measure(middle)))
+            if fits(middle):
                 good = middle
-            except Exception as error:
-                if not is_oom(error):
-                    raise
+            else:
                 bad = middle
     return samples, good
 
