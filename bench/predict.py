@@ -8,9 +8,10 @@ the same (the same CPU sharing as in training), then trains and times its iterat
 prediction for a configuration uses the slowest rank's profile and a cluster description built
 from the path's settings (RTT, rate, the emulator's 1536 KiB window per flow, 1448/1500 goodput,
 the stream count), and compares the median measured iteration with the coarse and fine models.
-The headline predictions also take two inputs measured in the same run (see ``predict``): the
-path's goodput (wanlink-iperf, 8 streams, 4 s, before the path's configurations) and the compute
-speed during training (from the forward passes, which do no communication).
+The headline predictions also take inputs measured in the same run (see ``predict``): the path's
+goodput (wanlink-iperf, 8 streams, 4 s) and send overhead (a lone 4 MiB all-reduce), both before
+the path's configurations, and the compute speed during training (from the forward passes, which
+do no communication).
 
     sudo python3 dev.py bench bench/predict.py [--only NAME...] [--predict-only]
 
@@ -135,6 +136,49 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+PROBE_BYTES, PROBE_REPEATS = 4 * 1024 * 1024, 6
+
+
+def probe_worker(args) -> None:
+    """One of two ranks timing a lone 4 MiB all-reduce on the path (after warm-up): a link figure."""
+    import torch
+    import torch.distributed as dist
+
+    import wanlink  # noqa: F401 - registers the backend
+
+    os.environ.update(WANLINK_ADDR=args.address, WANLINK_STREAMS=str(LINK_STREAMS))
+    store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=2)
+    tensor = torch.ones(PROBE_BYTES // 4)
+    times = []
+    for repeat in range(PROBE_REPEATS + 3):
+        dist.barrier()
+        begin = time.perf_counter()
+        dist.all_reduce(tensor)
+        if repeat >= 3:
+            times.append(time.perf_counter() - begin)
+    if args.rank == 0:
+        Path(args.out_file).write_text(json.dumps({"seconds": times}))
+    dist.destroy_process_group()
+
+
+def send_overhead(path, rtt_ms: float, link_mbit: float, port: int) -> tuple[float, float]:
+    """(seconds of a lone 4 MiB all-reduce, what each of its 3 WAN send steps took beyond the one-way
+    delay and its bytes at the measured goodput): the model's ``send_overhead`` input."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "probe.json")
+        argv = [sys.executable, str(Path(__file__).resolve()), "--probe-worker", "--master", path.addr_a,
+                "--port", str(port), "--out-file", out]
+        procs = [path.popen_a(argv + ["--rank", "0", "--address", path.addr_a], env=env),
+                 path.popen_b(argv + ["--rank", "1", "--address", path.addr_b], env=env)]
+        if any(proc.wait(timeout=300) for proc in procs):
+            raise RuntimeError("the collective probe failed")
+        seconds = statistics.median(json.loads(Path(out).read_text())["seconds"])
+    data = PROBE_BYTES * 8 / (link_mbit * 1e6)  # 2 MiB each way twice: within the first windows
+    return seconds, max(0.0, (seconds - data - 3 * rtt_ms / 2e3) / 3)
+
+
 def measure(path, config: dict, port: int) -> dict:
     """Run one configuration's ranks (half in each namespace) and collect their outputs."""
     ranks = config["ranks"]
@@ -159,12 +203,13 @@ def measure(path, config: dict, port: int) -> dict:
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results]}
 
 
-def _cluster(row: dict, rate_mbit: float, efficiency: float):
+def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
     from wanlink.plan import cluster_from_dict
 
     half = row["ranks"] // 2
     return cluster_from_dict({
-        "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": LAN_RATE, "efficiency": efficiency},
+        "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": LAN_RATE, "efficiency": efficiency,
+                     "send_overhead": f"{overhead_ms} ms"},
         "site": [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}],
         "path": [{"sites": ["a", "b"], "rtt": f"{row['rtt_ms']} ms", "rate": f"{rate_mbit} Mbit/s"}]})
 
@@ -173,8 +218,9 @@ def predict(row: dict) -> dict:
     """Coarse and fine predictions for a measured row.
 
     "profile only": the slowest rank's pre-run profile and the path's nominal settings. The
-    headline ("calibrated") uses two more measured inputs from the same run: the path's goodput as
-    wanlink-iperf measured it with 8 streams just before, and the compute speed during training
+    headline ("calibrated") uses three more measured inputs from the same run: the path's goodput
+    as wanlink-iperf measured it with 8 streams, the send overhead from a lone 4 MiB all-reduce on
+    the path (both just before the path's configurations), and the compute speed during training
     (the profile scaled by the ratio of the ranks' median forward time in training to the
     profiled one; forward passes do no communication).
     """
@@ -186,7 +232,7 @@ def predict(row: dict) -> dict:
     nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
     scaled = [p.scaled(speed=p.forward_s / measured) for p, measured in zip(profiles, row["train_forward_s"])]
     running = max(scaled, key=lambda p: p.compute_s)
-    calibrated = _cluster(row, row["link_mbit"], 1.0)
+    calibrated = _cluster(row, row["link_mbit"], 1.0, row["send_overhead_ms"])
     measured = row["measured_s"]
     out = {"profile_compute_s": profile.compute_s, "running_compute_s": running.compute_s}
     for label, cluster, prof in (("", calibrated, running), ("profile_only_", nominal, profile)):
@@ -241,7 +287,8 @@ def report(rows: list[dict], load: dict, out: str) -> None:
         summary.update({f"{key}_mean_abs_error": statistics.mean(errors), f"{key}_max_abs_error": max(errors)})
     print("\n" + "; ".join(f"{key.replace('_', ' ')}: mean |error| {100 * summary[key + '_mean_abs_error']:.1f} %, "
                            f"max {100 * summary[key + '_max_abs_error']:.1f} %"
-                           for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse")) + f"; load {load}")
+                           for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"))
+          + f"; load {load}")
     save_json(out, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST})
     print("wrote", plot(rows, out))
 
@@ -363,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: the heterogeneous batch allocation bench (loopback, no emulator)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--allocation-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--config", "--master", "--address"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -371,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.probe_worker:
+        probe_worker(args)
         return 0
     if args.allocation_worker:
         allocation_worker(args)
@@ -396,11 +447,14 @@ def main(argv: list[str] | None = None) -> int:
             for run in (path.run_a, path.run_b):  # every variant alike: no slow start after idle
                 run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
             link_mbit = run_wanlink(path, LINK_STREAMS, LINK_SECONDS, None)["gbps"] * 1e3
-            print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s", flush=True)
+            probe_s, overhead = send_overhead(path, rtt_ms, link_mbit, 29690)
+            print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s; "
+                  f"lone 4 MiB all-reduce {probe_s * 1e3:.0f} ms: send overhead {overhead * 1e3:.1f} ms", flush=True)
             for config in [c for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)]:
                 started = time.monotonic()
                 row = measure(path, config, 29700 + len(rows))
-                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit)
+                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit,
+                           probe_allreduce_s=probe_s, send_overhead_ms=overhead * 1e3)
                 rows.append(row)
                 print(f"{config['name']}: {row['measured_s']:.3f} s/iteration ({row['wall_s']:.0f} s, "
                       f"load {row['load1']:.2f})", flush=True)

@@ -82,6 +82,7 @@ def test_load_cluster_file(tmp_path):
     (('name = "west"', 'name = "east"'), "site[1].name: 'east' appears twice"),
     (('host_cap = "1 Gbit/s"', 'host_cap = "1 Gbit/s"\ncolour = "red"'), "site[0]: unknown field 'colour'"),
     (('window = "1536 KiB"', 'window = 1536'), "defaults.window: 1536 has no unit"),
+    (('streams = 4', 'streams = 4\nsend_overhead = "-2 ms"'), "defaults.send_overhead: cannot read '-2 ms'"),
 ])
 def test_bad_descriptions_name_the_field(edit, field):
     old, new = edit

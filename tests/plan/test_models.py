@@ -11,11 +11,12 @@ from wanlink.plan.topology import Network, Transfer, flat_collective, sparse_mes
 MB = 1e6
 
 
-def two_sites(ranks=(1, 1), rtt="40 ms", rate="80 Mbit/s", window="100 MB", streams=8, chunk="1 MB", **extra):
+def two_sites(ranks=(1, 1), rtt="40 ms", rate="80 Mbit/s", window="100 MB", streams=8, chunk="1 MB",
+              overhead="0 ms", **extra):
     sites = [{"name": "a", "ranks": ranks[0], **extra.get("a", {})}, {"name": "b", "ranks": ranks[1]}]
     return cluster_from_dict({
         "defaults": {"window": window, "streams": streams, "efficiency": 1.0, "chunk": chunk,
-                     "lan_rate": extra.get("lan_rate", "80 Gbit/s")},
+                     "lan_rate": extra.get("lan_rate", "80 Gbit/s"), "send_overhead": overhead},
         "site": sites, "path": [{"sites": ["a", "b"], "rtt": rtt, "rate": rate}]})
 
 
@@ -31,6 +32,14 @@ def test_two_rank_ring_by_hand():
     expected = 0.01 + max(0.02, 0.02 + 0.4 + 0.06) + 0.005
     assert simulate(cluster, prof).iteration_s == pytest.approx(expected)
     assert coarse(cluster, prof).iteration_s == pytest.approx(expected)
+
+
+def test_send_overhead_adds_to_every_wan_step():
+    # the two ring steps and the acknowledgement each take 5 ms more
+    prof = profile()
+    base = simulate(two_sites(), prof).iteration_s
+    assert simulate(two_sites(overhead="5 ms"), prof).iteration_s == pytest.approx(base + 0.015)
+    assert coarse(two_sites(overhead="5 ms"), prof).iteration_s == pytest.approx(base + 0.015)
 
 
 def test_window_limited_single_stream_by_hand():

@@ -6,6 +6,7 @@ A description is TOML (or the same shape as a dict)::
     window = "1536 KiB"     # effective window of one TCP flow (what a long path gives it)
     streams = 8             # TCP streams per link (wanlink stripes over them)
     chunk = "1 MiB"         # wanlink's chunk: one stream carries one chunk at a time
+    send_overhead = "0 ms"  # measured: what a WAN send step takes beyond its one-way delay
     efficiency = 0.965      # goodput / line rate (TCP/IP headers: 1448 of every 1500 bytes)
     lan_rate = "10 Gbit/s"  # between ranks of one site, per host
 
@@ -65,6 +66,7 @@ class Cluster:
     efficiency: float = DEFAULT_EFFICIENCY
     lan_rtt_s: float = 0.0
     chunk: float = DEFAULT_CHUNK
+    send_overhead_s: float = 0.0  # measured time a send step over the WAN takes beyond its one-way delay
     source: str = field(default="cluster", compare=False)
 
     def __post_init__(self):
@@ -153,8 +155,9 @@ def _check_cluster(cluster: Cluster) -> None:
         raise ConfigError(f"{where}: defaults.streams must be an integer >= 1, got {cluster.streams!r}")
     if not (0 < cluster.efficiency <= 1):
         raise ConfigError(f"{where}: defaults.efficiency must be in (0, 1], got {cluster.efficiency!r}")
-    if not (math.isfinite(cluster.lan_rtt_s) and cluster.lan_rtt_s >= 0):
-        raise ConfigError(f"{where}: defaults.lan_rtt must be >= 0, got {cluster.lan_rtt_s}")
+    for name, value in (("lan_rtt", cluster.lan_rtt_s), ("send_overhead", cluster.send_overhead_s)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{where}: defaults.{name} must be >= 0, got {value} s")
 
 
 def _positive(value, field: str) -> None:
@@ -195,7 +198,8 @@ def _integer(value, field: str) -> int:
 def cluster_from_dict(doc: dict, source: str = "cluster") -> Cluster:
     """A validated Cluster from a parsed description; errors are prefixed with ``source``."""
     _known(doc, {"defaults", "site", "path"}, source)
-    defaults = _known(doc.get("defaults", {}), {"window", "streams", "efficiency", "lan_rate", "lan_rtt", "chunk"},
+    defaults = _known(doc.get("defaults", {}), {"window", "streams", "efficiency", "lan_rate", "lan_rtt", "chunk",
+                                                         "send_overhead"},
                       f"{source}: defaults")
     lan_rate = _take(defaults, "lan_rate", f"{source}: defaults", parse_rate, DEFAULT_LAN_RATE)
     site_tables = doc.get("site")
@@ -231,7 +235,9 @@ def cluster_from_dict(doc: dict, source: str = "cluster") -> Cluster:
                    streams=_take(defaults, "streams", f"{source}: defaults", _integer, DEFAULT_STREAMS),
                    efficiency=_take(defaults, "efficiency", f"{source}: defaults", _number, DEFAULT_EFFICIENCY),
                    lan_rtt_s=_take(defaults, "lan_rtt", f"{source}: defaults", parse_time, 0.0),
-                   chunk=_take(defaults, "chunk", f"{source}: defaults", parse_size, DEFAULT_CHUNK), source=source)
+                   chunk=_take(defaults, "chunk", f"{source}: defaults", parse_size, DEFAULT_CHUNK),
+                   send_overhead_s=_take(defaults, "send_overhead", f"{source}: defaults", parse_time, 0.0),
+                   source=source)
 
 
 def cluster_from_toml(text: str, source: str = "cluster") -> Cluster:

@@ -85,10 +85,12 @@ class Network:
         return net
 
     def delay(self, i: int, j: int) -> float:
-        """One-way delay between sites i and j."""
+        """One-way delay of a send step between sites i and j (plus the cluster's measured send
+        overhead over the WAN)."""
         if i == j:
             return self.cluster.lan_rtt_s / 2
-        return self.cluster.path(self.cluster.sites[i].name, self.cluster.sites[j].name).rtt_s / 2
+        path = self.cluster.path(self.cluster.sites[i].name, self.cluster.sites[j].name)
+        return path.rtt_s / 2 + self.cluster.send_overhead_s
 
     def streams_used(self, message_bytes: float) -> int:
         """Streams a message keeps busy: one chunk per stream, so at most one per chunk."""
