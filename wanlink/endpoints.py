@@ -89,8 +89,9 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
     ``secret`` defaults to WANLINK_SECRET, ``chunk_size`` to WANLINK_CHUNK_SIZE and ``limits`` to the
-    protocol's with WANLINK_STAGING_BYTES (``settings`` replaces the environment). ``unix=True`` also listens on an abstract Unix socket
-    (``server.unix_name``) for processes of the same host and network namespace: the same
+    protocol's with WANLINK_STAGING_BYTES (``settings`` replaces the environment). ``unix=True``
+    also listens on an abstract Unix socket (``server.unix_name``) for processes of the same host
+    and network namespace: the same
     handshake; sending costs a third less CPU per byte than over TCP loopback
     (bench/loopback_throughput.py --paths tcp unix).
     """

@@ -216,7 +216,9 @@ class Mesh:
 
     def _drop(self, peer: int, link) -> None:
         slot = self._links.get(peer)
-        if slot is None or not slot.done() or slot.cancelled() or slot.exception() is not None or slot.result() is not link:
+        if slot is None or not slot.done() or slot.cancelled() or slot.exception() is not None:
+            return
+        if slot.result() is not link:
             return
         failed = link.loop.create_future()
         failed.set_exception(PeerLost(f"wanlink: the link rank {self.rank} <-> rank {peer} failed: {link.error}"))

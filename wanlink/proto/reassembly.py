@@ -262,7 +262,8 @@ class Reassembler:
             if entry.buffer is not None and len(entry.buffer) != header.total:
                 entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
         elif entry.total != header.total:
-            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
+            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size "
+                                      f"{entry.total} -> {header.total}")
         return entry
 
     def _charge(self, entry: Incoming, header: Header) -> None:
