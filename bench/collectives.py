@@ -8,33 +8,28 @@ op's bus factor (all_reduce 2(n-1)/n, all_gather (n-1)/n, broadcast 1).
 
     python bench/collectives.py [--worlds 2 4] [--sizes-mib 4 16 64 256] [--iters 3]
 
-Writes bench/results/collectives.{txt,json,png}.
+Writes collectives.{txt,json,png} to --out (bench/results/ with --publish).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.reporting import Run, add_output_options, colours, legend_outside, new_figure
+
 MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
 OPS = ("all_reduce", "broadcast", "all_gather")
 
 
 def bus_factor(op: str, world: int) -> float:
     return {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world, "broadcast": 1.0}[op]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def time_op(op: str, nbytes: int, group, iters: int) -> float:
@@ -62,7 +57,7 @@ def time_op(op: str, nbytes: int, group, iters: int) -> float:
     return elapsed.item()
 
 
-def bench_rank(rank, world, port, sizes, iters, queue) -> None:
+def bench_rank(rank, world, store_path, sizes, iters, queue) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -70,7 +65,7 @@ def bench_rank(rank, world, port, sizes, iters, queue) -> None:
         import wanlink  # noqa: F401
 
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+        store = dist.FileStore(store_path, world)
         dist.init_process_group("wanlink", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=600))
         groups = {"wanlink": None, "gloo": dist.new_group(backend="gloo")}
@@ -106,16 +101,17 @@ def run_world(world: int, sizes: list[int], iters: int) -> list[dict]:
 
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
-    processes = [context.Process(target=bench_rank, args=(rank, world, port, sizes, iters, queue))
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    rows = queue.get(timeout=3600)
-    for process in processes:
-        process.join(60)
-        if process.is_alive():
-            process.kill()
+    with tempfile.TemporaryDirectory(prefix="wanlink-bench-") as workdir:
+        store_path = os.path.join(workdir, "store")
+        processes = [context.Process(target=bench_rank, args=(rank, world, store_path, sizes, iters, queue))
+                     for rank in range(world)]
+        for process in processes:
+            process.start()
+        rows = queue.get(timeout=3600)
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
     if rows is None:
         raise SystemExit(f"bench: world of {world} failed")
     return [row for row in rows if "op" in row]
@@ -136,29 +132,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(run: Run, rows: list[dict]) -> Path:
     worlds = sorted({r["world"] for r in rows})
-    figure, axes = plt.subplots(len(worlds), len(OPS), figsize=(4 * len(OPS), 3.2 * len(worlds)), squeeze=False)
+    figure, axes = new_figure(len(worlds), len(OPS), figsize=(4 * len(OPS), 3.2 * len(worlds)), squeeze=False)
+    palette = colours(("wanlink", "gloo"))
     for i, world in enumerate(worlds):
         for j, op in enumerate(OPS):
             axis = axes[i][j]
             for backend, style in (("wanlink", "o-"), ("gloo", "s--")):
                 points = sorted((r["bytes"] / MiB, r["busbw_GBps"]) for r in rows
                                 if r["world"] == world and r["op"] == op and r["backend"] == backend)
-                axis.plot([p[0] for p in points], [p[1] for p in points], style, label=backend)
+                axis.plot([p[0] for p in points], [p[1] for p in points], style, label=backend,
+                          color=palette[backend])
             axis.set_xscale("log", base=2)
             axis.set_title(f"{op}, {world} ranks (loopback)")
             axis.set_xlabel("size (MiB)")
             axis.set_ylabel("busbw (GB/s)")
             axis.grid(alpha=0.3)
-            axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    legend_outside(axes[0][-1])
+    return run.save_figure(figure, "collectives")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,29 +158,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    run = Run(args)
     sizes = [size * MiB for size in args.sizes_mib]
-    load_before = os.getloadavg()
-    started = time.time()
     rows: list[dict] = []
     for world in args.worlds:
         print(f"world of {world} ranks on loopback", flush=True)
         rows += run_world(world, sizes, args.iters)
-    load_after = os.getloadavg()
     text = table(rows)
-    header = (f"wanlink vs gloo collectives over loopback; {os.cpu_count()} CPUs, {platform.machine()}, "
-              f"python {platform.python_version()}; load average before {load_before[0]:.2f}, "
-              f"after {load_after[0]:.2f}; {args.iters} timed iterations per point; "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}")
-    print("\n" + header + "\n" + text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "collectives.txt").write_text(header + "\n" + text + "\n")
-    (args.out / "collectives.json").write_text(json.dumps(
-        {"header": header, "load_average_before": load_before, "load_average_after": load_after,
-         "iters": args.iters, "rows": rows}, indent=1))
-    plot(rows, args.out / "collectives.png")
-    print(f"wrote {args.out}/collectives.{{txt,json,png}}")
+    facts = run.header()
+    summary = (f"wanlink vs gloo collectives over loopback; {facts['machine']['cpus']} CPUs, "
+               f"{facts['machine']['platform']}, python {facts['versions']['python']}; load average before "
+               f"{facts['load_before'][0]:.2f}, after {facts['load_after'][0]:.2f}; {args.iters} timed iterations "
+               f"per point; {facts['date_utc']}")
+    print("\n" + summary + "\n" + text)
+    run.save_text("collectives.txt", summary + "\n" + text + "\n")
+    run.save_json("collectives", {"iters": args.iters, "rows": rows})
+    plot(run, rows)
+    print(f"wrote {run.out}/collectives.{{txt,json,png}}")
     return 0
 
 
