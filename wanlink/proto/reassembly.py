@@ -135,7 +135,8 @@ class Reassembler:
             if entry.buffer is not None and len(entry.buffer) != header.total:
                 entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
         elif entry.total != header.total:
-            raise ProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
+            raise ProtocolError(f"message tag={header.tag} seq={header.seq} "
+                                f"changed size {entry.total} -> {header.total}")
         if header.offset in entry.chunks or entry.error is not None:
             return self.scratch_view(header.raw_len)
         if entry.buffer is not None:
