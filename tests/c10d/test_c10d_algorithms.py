@@ -283,3 +283,28 @@ def test_monitored_barrier_tells_a_lost_link_from_a_rank_that_did_not_arrive(wai
     assert "did not reach" not in str(lost.value)
     with pytest.raises(DeadlineExceeded, match=r"timed out after 0.05 s: rank\(s\) \[2\] did not reach the barrier"):
         asyncio.run(direct.monitored_barrier(RankZeroComm("silent"), 0.05, wait_all_ranks))
+
+
+def random_coo(rank, shape, density, dtype=torch.float32, sparse_dim=None):
+    """A coalesced random sparse tensor (integer-valued, so sums are exact in any order)."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    sparse_dim = len(shape) if sparse_dim is None else sparse_dim
+    dense = torch.randint(-5, 6, shape, generator=generator).to(dtype)
+    keep = torch.rand(shape[:sparse_dim], generator=generator) < density
+    dense[~keep] = 0
+    return dense.to_sparse(sparse_dim)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("shape,sparse_dim", [((40,), 1), ((12, 9), 2), ((10, 3, 2), 1)])
+@pytest.mark.parametrize("density", [0.0, 0.1, 1.0])
+def test_sparse_allreduce_sums_every_members_nonzeros(size, shape, sparse_dim, density):
+    from wanlink.collectives import sparse
+
+    inputs = [random_coo(rank, shape, density, sparse_dim=sparse_dim) for rank in range(size)]
+    results = run_members(size, lambda comm: sparse.allreduce_coo(comm, inputs[comm.rank]))
+    expected = sum(tensor.to_dense() for tensor in inputs)
+    for result in results:
+        assert result.is_coalesced() and result.sparse_dim() == sparse_dim
+        assert torch.equal(result.to_dense(), expected)
+        assert torch.equal(result.indices(), results[0].indices()) and torch.equal(result.values(), results[0].values())

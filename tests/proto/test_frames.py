@@ -153,6 +153,12 @@ def test_advance_beyond_offered_buffer_is_local_misuse():
         dec.advance(HEADER_SIZE + 1)
 
 
+def test_a_placer_returning_the_wrong_size_is_local_misuse():
+    dec = FrameDecoder(lambda header: memoryview(bytearray(header.raw_len - 1)), LIMITS)
+    with pytest.raises(LocalProtocolError, match="wrong size"):
+        dec.feed(data_frame(1, 0, 64, 0, bytes(64)))
+
+
 def _decode(blob, piece_sizes):
     """Feed ``blob`` in consecutive, non-overlapping pieces; returns (events as comparable tuples, error type)."""
     dec, _ = decoder()
@@ -163,16 +169,10 @@ def _decode(blob, piece_sizes):
                 break
             events += [(type(e).__name__, getattr(e, "header", None)) for e in dec.feed(blob[start:start + size])]
             start += size
-    except RemoteProtocolError as exc:  # LimitExceeded is one too; anything else fails the test
+    except RemoteProtocolError as exc:  # LimitExceeded is one too; local misuse or anything else fails the test
         return events, type(exc)
     assert start >= len(blob), "pieces did not cover the input"
     return events, None
-
-
-def test_a_placer_returning_the_wrong_size_is_local_misuse():
-    dec = FrameDecoder(lambda header: memoryview(bytearray(header.raw_len - 1)), LIMITS)
-    with pytest.raises(LocalProtocolError, match="wrong size"):
-        dec.feed(data_frame(1, 0, 64, 0, bytes(64)))
 
 
 def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():

@@ -156,7 +156,7 @@ class Link:
         """
         view = byte_view(buffer)
         _check_tag(tag, allow_discard=True)
-        self._raise_if_failed()
+        self._raise_if_failed(f"send on tag {tag}: 0 of {len(view)} bytes acknowledged")
         self.limits.check_outgoing("max_transfer_size", len(view), f"send on tag {tag}")
         seq = self._next_send_seq.get(tag, 0)
         self._next_send_seq[tag] = seq + 1
@@ -172,7 +172,7 @@ class Link:
         """Receive the next message on ``tag`` into ``buffer`` (exactly its size); returns its size."""
         view = byte_view(buffer, writable=True)
         _check_tag(tag)
-        self._raise_if_failed()
+        self._raise_if_failed(f"recv on tag {tag}: 0 of {len(view)} bytes received")
         entry = self.reassembler.post(tag, view)
         if entry.done:
             if entry.error is not None:
@@ -197,7 +197,7 @@ class Link:
         receiver may claim it first (check ``message_started`` again before ``recv_into``)."""
         _check_tag(tag)
         while not self.reassembler.next_started(tag):
-            self._raise_if_failed()
+            self._raise_if_failed(f"waiting for a message on tag {tag}")
             waiter = self.loop.create_future()
             waiters = self._start_waiters.setdefault(tag, [])
             waiters.append(waiter)
@@ -210,9 +210,9 @@ class Link:
                         del self._start_waiters[tag]
                 raise
 
-    async def send_control(self, message) -> None:
-        """Send one small msgpack-able control message (ordered per stream, not across)."""
-        self._raise_if_failed()
+    def send_control(self, message) -> None:
+        """Queue one small msgpack-able control message (ordered per stream, not across); returns at once."""
+        self._raise_if_failed("control message send")
         payload = pack_message(message)
         self.limits.check_outgoing("max_control_size", len(payload), "outgoing control message")
         stream = min((s for s in self._streams if s.alive), key=lambda s: len(s.control))
@@ -318,9 +318,9 @@ class Link:
         registry.unregister(self)
 
     # -- internals --------------------------------------------------------------------------------
-    def _raise_if_failed(self) -> None:
+    def _raise_if_failed(self, operation: str) -> None:
         if self.error is not None:
-            raise self._lost(self.error, "new operation")
+            raise self._lost(self.error, operation)
 
     def _lost(self, cause: BaseException, what: str) -> PeerLost:
         error = PeerLost(f"link to {self.peer} failed ({type(cause).__name__}: {cause}); {what}")
@@ -444,6 +444,24 @@ class Link:
         }
 
 
+async def cancel_and_wait(tasks: list[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and return once every one has ended; a cancellation of the caller meanwhile
+    is re-raised only then."""
+    for task in tasks:
+        task.cancel()
+    cancelled = False
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            cancelled = True
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: a stream's own failure is already the reason we are here
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 def check_stream_count(streams) -> int:
     """``streams`` when it is an int in [1, max_streams]; ConfigError otherwise."""
     if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= DEFAULT_LIMITS.max_streams:
@@ -490,10 +508,14 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
             if reply:
                 await loop.sock_sendall(sock, reply)
 
+    tasks = [loop.create_task(open_stream(i), name=f"wanlink-connect-{i}") for i in range(count)]
     try:
         async with asyncio.timeout(timeout):
-            await asyncio.gather(*(open_stream(i) for i in range(count)))
+            await asyncio.gather(*tasks)
     except BaseException as exc:
+        # the other streams may still wait on their sockets: closing a socket under a pending read
+        # breaks the event loop's bookkeeping for its descriptor, so end every task first
+        await cancel_and_wait(tasks)
         for sock in socks:
             if sock is not None:
                 close_quietly(sock)

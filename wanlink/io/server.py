@@ -42,15 +42,14 @@ class Server:
         self._pending: dict[bytes, _PendingLink] = {}
         self._handlers: set[asyncio.Task] = set()
         self._probe_links: set[Link] = set()  # probe traffic only: kept here, never shown to on_link
-        self._accept_tasks: list[asyncio.Task] = []
+        self._accept_tasks: dict[socket.socket, asyncio.Task] = {}  # listener -> its accept loop
         self.host, self.port = listener.getsockname()[:2]
         self.rejected_streams = 0
 
     def start(self) -> "Server":
-        for listener in (self._listener, self._unix_listener):
-            if listener is not None:
-                self._accept_tasks.append(self.loop.create_task(self._accept_loop(listener),
-                                                                name=f"wanlink-accept-{self.port}"))
+        for listener in self._listeners():
+            self._accept_tasks[listener] = self.loop.create_task(self._accept_loop(listener),
+                                                                 name=f"wanlink-accept-{self.port}")
         registry.register_server(self)
         return self
 
@@ -171,12 +170,20 @@ class Server:
             log.error("on_link callback failed for %s: %r; closing that link", link.name, exc)
             await link.close()
 
+    def _listeners(self) -> list[socket.socket]:
+        return [listener for listener in (self._listener, self._unix_listener) if listener is not None]
+
     def close(self) -> None:
         """Stop accepting and drop half-open links and handshakes in progress."""
-        for task in self._accept_tasks:
-            task.cancel()
+        for listener in self._listeners():
+            task = self._accept_tasks.get(listener)
+            if task is None or task.done():
+                close_quietly(listener)
+            else:  # closed once its pending accept ended: a descriptor closed under it breaks the loop's bookkeeping
+                task.cancel()
+                task.add_done_callback(lambda _task, listener=listener: close_quietly(listener))
         for task in list(self._handlers):
-            task.cancel()
+            task.cancel()  # each handler closes its own socket once it has ended
         for probe in self._probe_links:
             probe.fail(PeerLost("server closed"))
         self._probe_links.clear()
@@ -185,13 +192,10 @@ class Server:
             pending.expiry.cancel()
             for sock in pending.socks.values():
                 close_quietly(sock)
-        close_quietly(self._listener)
-        if self._unix_listener is not None:
-            close_quietly(self._unix_listener)
         registry.unregister_server(self)
 
     async def wait_closed(self) -> None:
-        tasks = [*self._accept_tasks, *self._handlers]
+        tasks = [*self._accept_tasks.values(), *self._handlers]
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def __aenter__(self):
