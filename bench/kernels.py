@@ -20,6 +20,7 @@ kept blocks differ every step. Prints tables, writes kernels.{json,png} to --out
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -245,11 +246,15 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (the kernels follow it)")
     parser.add_argument("--repeats", type=int, default=9, help="timed runs of wanlink's kernels (median)")
     parser.add_argument("--baseline-repeats", type=int, default=5, help="timed runs of the torch baselines")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     run = Run(args)
+    if args.replot:
+        print("wrote", plot(run, json.loads(args.replot.read_text())["results"]))
+        return 0
     rows = []
     for size in args.sizes:
         for density in args.densities:

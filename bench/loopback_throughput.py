@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -156,6 +157,29 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
             "sender_cpu_s_per_gib": _cpu_seconds.total / gib, "receiver_cpu_s_per_gib": receiver_cpu / gib}
 
 
+def plot(run: Run, rows: list[dict], name: str, size_mib: int):
+    """Throughput against streams: one colour per wanlink variant, the event loop as the line style."""
+    fig, ax = new_figure(figsize=(7, 4))
+    variants = list(dict.fromkeys((r.get("path", "tcp"), r["chunk_kib"]) for r in rows if r["mode"] == "wanlink"))
+    palette = colours(variants)  # one colour per wanlink variant; the event loop is the line style
+    for loop_kind, style in zip(dict.fromkeys(r["loop"] for r in rows), ("-", ":")):
+        for variant in variants:
+            path, chunk_kib = variant
+            mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink"
+                    and r["chunk_kib"] == chunk_kib and r.get("path", "tcp") == path]
+            ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], style, marker="o",
+                    color=palette[variant], label=f"wanlink over {path}, {chunk_kib} KiB chunks ({loop_kind})")
+        raw = next(r for r in rows if r["loop"] == loop_kind and r["mode"] == "raw")
+        ax.axhline(raw["median_gbps"], linestyle="--" if style == "-" else "-.", color="black",
+                   label=f"raw sock_sendall ({loop_kind})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("streams per link")
+    ax.set_ylabel("Gbit/s (median)")
+    ax.set_title(f"loopback, {size_mib} MiB transfers")
+    legend_outside(ax, fontsize=8)
+    return run.save_figure(fig, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=1024)
@@ -168,9 +192,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="wanlink over TCP loopback and/or an abstract Unix socket (the raw baseline is TCP)")
     parser.add_argument("--congestion", default=None, help="TCP congestion control of wanlink's streams")
     parser.add_argument("--name", default="loopback_throughput")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
     args = parser.parse_args(argv)
     run = Run(args)
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        print("wrote", plot(run, saved["rows"], args.name, saved["size_mib"]))
+        return 0
     CONGESTION[0] = args.congestion
     payload = memoryview(os.urandom(MiB) * args.size_mib)
     rows = []
@@ -191,25 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                        ("vs_raw", "x raw", ".2f"), ("sender_cpu_s_per_gib", "send CPU s/GiB", ".3f"),
                        ("receiver_cpu_s_per_gib", "recv CPU s/GiB", ".3f")])
     print("wrote", run.save_json(args.name, {"size_mib": args.size_mib, "repeat": args.repeat, "rows": rows}))
-    fig, ax = new_figure(figsize=(7, 4))
-    variants = [(path, chunk_kib) for path in args.paths for chunk_kib in args.chunk_kib]
-    palette = colours(variants)  # one colour per wanlink variant; the event loop is the line style
-    for loop_kind, style in zip(args.loops, ("-", ":")):
-        for variant in variants:
-            path, chunk_kib = variant
-            mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink"
-                    and r["chunk_kib"] == chunk_kib and r["path"] == path]
-            ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], style, marker="o",
-                    color=palette[variant], label=f"wanlink over {path}, {chunk_kib} KiB chunks ({loop_kind})")
-        raw = next(r for r in rows if r["loop"] == loop_kind and r["mode"] == "raw")
-        ax.axhline(raw["median_gbps"], linestyle="--" if style == "-" else "-.", color="black",
-                   label=f"raw sock_sendall ({loop_kind})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("streams per link")
-    ax.set_ylabel("Gbit/s (median)")
-    ax.set_title(f"loopback, {args.size_mib} MiB transfers")
-    legend_outside(ax, fontsize=8)
-    print("wrote", run.save_figure(fig, args.name))
+    print("wrote", plot(run, rows, args.name, args.size_mib))
     return 0
 
 
