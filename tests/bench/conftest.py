@@ -1,7 +1,8 @@
-"""Make the repository's `bench` package importable (it is not installed with wanlink)."""
+"""Make the repository's `bench` package (it is not installed with wanlink) and netns_helpers importable."""
 import sys
 from pathlib import Path
 
-ROOT = str(Path(__file__).resolve().parents[2])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+HERE = Path(__file__).resolve().parent
+for path in (str(HERE.parents[1]), str(HERE)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
