@@ -45,3 +45,10 @@ def test_every_field_has_one_variable():
 
 def test_documentation_table_matches_the_code():
     assert settings.markdown_table() in DOCS.read_text()
+
+
+def test_site_is_any_name_and_a_bad_one_names_the_variable():
+    assert settings.from_env({"WANLINK_SITE": " gcp-europe-west4 "}).site == "gcp-europe-west4"
+    assert settings.from_env({"WANLINK_SITE": ""}).site is None
+    with pytest.raises(ConfigError, match="WANLINK_SITE"):
+        settings.from_env({"WANLINK_SITE": "x" * 200})
