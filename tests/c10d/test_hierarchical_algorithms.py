@@ -156,3 +156,31 @@ def test_a_site_map_of_another_size_is_refused():
             await hierarchical.allreduce(comm, SiteMap(["a", "a", "b"]), torch.zeros(4),
                                          reducer_for("sum", torch.float32, "t"))
     run_members(2, lambda comm: member(comm, None))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("block", [0, 1, 301])
+def test_reduce_scatter_leaves_blocks_alone(layout, op, block):
+    size = len(LAYOUTS[layout])
+
+    async def member(comm, sites):
+        blocks = [data(comm.rank * 10 + k, block) for k in range(size)]
+        originals = [b.clone() for b in blocks]
+        out = torch.full((block,), -99.0)
+        await hierarchical.reduce_scatter(comm, sites, blocks, out, reducer_for(op, torch.float32, "t"))
+        assert all(torch.equal(a, b) for a, b in zip(blocks, originals)), "input blocks were modified"
+        return out
+    for rank, result in enumerate(run_sites(LAYOUTS[layout], member)):
+        assert torch.equal(result, reference(op, [data(k * 10 + rank, block) for k in range(size)]))
+
+
+def test_reduce_scatter_spreads_the_wan_bytes():
+    block = 1000
+
+    async def member(comm, sites):
+        blocks = [data(comm.rank * 10 + k, block) for k in range(4)]
+        await hierarchical.reduce_scatter(comm, sites, blocks, torch.empty(block), reducer_for("sum", torch.float32, "t"))
+        return comm.wan_bytes, comm.wan_received
+    # each member's site partial of one remote block out, the other site's partial of its own block in
+    assert run_sites(LAYOUTS["2x2"], member) == [(block * 4, block * 4)] * 4

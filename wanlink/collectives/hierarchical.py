@@ -9,6 +9,9 @@ bandwidth is the sum of its members' caps):
   partial of part i (the site's own even split of the buffer); the members whose parts overlap
   across sites swap those partials member to member and fold them in site order (so every
   member computes bit-identical sums); a ring all-gather inside each site finishes.
+- reduce-scatter: the same reduce-scatter inside each site, member i getting the site partial
+  of piece i of every block; each member sends its piece of rank r's block to rank r, which
+  folds the sites' partials in site order.
 - all-gather and broadcast: each block (a rank's contribution; for a broadcast, the part of the
   buffer the root first scatters to each member of its site) travels to every other site split
   into one piece per member there, and each member there passes its piece to its site-mates.
@@ -35,6 +38,8 @@ SCATTER = 5 * MAX_PIECES + 1
 """A broadcast root's parts to the members of its site."""
 LOCAL = 6 * MAX_PIECES
 """A block (or a piece of it) between members of one site: LOCAL + the group rank that holds the block."""
+TO_OWNER = 7 * MAX_PIECES
+"""Reduce-scatter: a site's partial of (part of) rank r's block, to rank r."""
 
 
 class SubComm:
@@ -105,6 +110,54 @@ async def allreduce(comm: Comm, sites: SiteMap, tensor: torch.Tensor, reducer: R
             await comm.compute(reducer, accumulator, partial)
         await comm.compute(reducer, accumulator, partials[-1], mine)
     await ring.all_gather(local, parts)
+
+
+async def reduce_scatter(comm: Comm, sites: SiteMap, blocks: Sequence[torch.Tensor], output: torch.Tensor,
+                         reducer: Reducer) -> None:
+    """``output`` on rank r = reduction over all ranks of their ``blocks[r]``; ``blocks`` are left alone.
+
+    Member i of a site owns piece i (of the site's even split) of every block, so each member
+    sends an equal share of the blocks bound for other sites.
+    """
+    _check(comm, sites)
+    me, n = comm.rank, comm.size
+    cell = sites.cell(me)
+    local = SubComm(comm, cell)
+    pieces = [piece_bounds(block.numel(), len(cell)) for block in blocks]
+    flat = torch.cat([blocks[r].reshape(-1)[slice(*pieces[r][i])] for i in range(len(cell)) for r in range(n)])
+    region_sizes = [sum(pieces[r][i][1] - pieces[r][i][0] for r in range(n)) for i in range(len(cell))]
+    regions = _split_sizes(flat, region_sizes)
+    mine = regions[local.rank]
+    await ring.reduce_scatter_into(local, regions, mine, reducer)
+
+    owned = dict(zip(range(n), _split_sizes(mine, [pieces[r][local.rank][1] - pieces[r][local.rank][0]
+                                                   for r in range(n)])))
+    transfers = [comm.send(r, piece, TO_OWNER) for r, piece in owned.items() if r != me]
+    partials = []
+    for ranks in sites.cells.values():
+        partial = comm.empty(output.numel(), output.dtype)
+        partials.append(partial)
+        for j, (a, b) in enumerate(piece_bounds(output.numel(), len(ranks))):
+            if ranks[j] == me:
+                partial[a:b].copy_(owned[me])
+            else:
+                transfers.append(comm.recv(ranks[j], partial[a:b], TO_OWNER))
+    await gather_all(transfers)
+    if len(partials) == 1:
+        output.copy_(partials[0])
+        return
+    await comm.compute(reducer, partials[0], partials[1], output)
+    for partial in partials[2:]:
+        await comm.compute(reducer, output, partial)
+
+
+def _split_sizes(tensor: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Views of a 1-D tensor as consecutive pieces of the given sizes."""
+    views, start = [], 0
+    for size in sizes:
+        views.append(tensor[start:start + size])
+        start += size
+    return views
 
 
 async def _spread(comm: Comm, sites: SiteMap, blocks: Mapping[int, torch.Tensor], holding: frozenset[int]) -> None:
