@@ -184,3 +184,13 @@ def test_reduce_scatter_spreads_the_wan_bytes():
         return comm.wan_bytes, comm.wan_received
     # each member's site partial of one remote block out, the other site's partial of its own block in
     assert run_sites(LAYOUTS["2x2"], member) == [(block * 4, block * 4)] * 4
+
+
+@pytest.mark.parametrize("layout, expected", [
+    (["a", "a", "b", "b"], True), (["a", "a", "b"], True), (["a", "b", "c", "a", "b", "c"], True),
+    (["a", "a", "a"], False),  # one site: nothing changes
+    (["a", "b"], False),  # a swap is what the ring does for two ranks
+    (["a", "b", "c", "d"], False),  # every host its own site: the ring carries less per link
+])
+def test_site_aware_algorithms_are_chosen_only_where_they_pay_off(layout, expected):
+    assert hierarchical.pays_off(SiteMap(layout)) is expected

@@ -62,6 +62,21 @@ class SubComm:
         return self._comm.empty(numel, dtype)
 
 
+def pays_off(sites: SiteMap) -> bool:
+    """Whether the site-aware all-reduce loads the busiest member's WAN link less than a flat ring.
+
+    A flat ring's members whose neighbour is in another site carry 2(n-1)/n of the buffer over
+    the WAN; here each member of the smallest cell exchanges its part (1/c of the buffer) with
+    every other site, (S-1)/c in all. So two sites always gain once one has two members, and
+    many single-rank sites (every host its own site) keep the ring.
+    """
+    if not sites.spans_sites:
+        return False
+    n, others = sites.world_size, len(sites.cells) - 1
+    smallest = min(len(ranks) for ranks in sites.cells.values())
+    return others / smallest < 2 * (n - 1) / n
+
+
 def _check(comm: Comm, sites: SiteMap) -> None:
     if sites.world_size != comm.size:
         raise ConfigError(f"site map of {sites.world_size} ranks for a group of {comm.size}")
