@@ -9,10 +9,12 @@ from wanlink.errors import (
     DeadlineExceeded,
     DesyncError,
     LimitExceeded,
+    LocalProtocolError,
     MessageSizeError,
     NonFiniteGradientError,
     PeerLost,
     ProtocolError,
+    RemoteProtocolError,
     UnsupportedError,
     WanlinkError,
 )
@@ -23,15 +25,16 @@ __version__ = "0.1.0"
 _install_torch_backend()  # registers backend "wanlink" with torch.distributed, now or once it is imported
 
 _LAZY = {
-    "connect": ("wanlink.io.link", "connect"),
-    "serve": ("wanlink.io.server", "serve"),
+    "connect": ("wanlink.endpoints", "connect"),
+    "serve": ("wanlink.endpoints", "serve"),
     "stats": ("wanlink.io.registry", "stats"),
     "Link": ("wanlink.io.link", "Link"),
 }
 
 __all__ = [
-    "AuthenticationError", "ConfigError", "DeadlineExceeded", "DesyncError", "LimitExceeded",
-    "MessageSizeError", "NonFiniteGradientError", "PeerLost", "ProtocolError", "UnsupportedError", "WanlinkError",
+    "AuthenticationError", "ConfigError", "DeadlineExceeded", "DesyncError", "LimitExceeded", "LocalProtocolError",
+    "MessageSizeError", "NonFiniteGradientError", "PeerLost", "ProtocolError", "RemoteProtocolError",
+    "UnsupportedError", "WanlinkError",
     *_LAZY,
 ]
 

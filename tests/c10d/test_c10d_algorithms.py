@@ -251,3 +251,35 @@ def test_chain_broadcast_sends_one_piece_before_the_successor_is_ready():
     results = run_members(3, member)
     assert piece_count(numel, 4, 64) > 2 and sent_early == [1]
     assert all(torch.equal(result, data(0, numel)) for result in results)
+
+
+class RankZeroComm:
+    """Member 0 of three for the monitored barrier: member 1 reports, member 2 behaves as ``two``
+    says ("fails": its link is lost; "silent": never reports)."""
+
+    rank, size, piece_bytes = 0, 3, 1 << 20
+
+    def __init__(self, two: str):
+        self.two = two
+
+    async def send(self, peer, tensor, piece=0):
+        pass
+
+    async def recv(self, peer, tensor, piece=0):
+        if peer == 2 and self.two == "fails":
+            from wanlink.errors import PeerLost
+            raise PeerLost("wanlink: the link to rank 2 closed")
+        if peer == 2:
+            await asyncio.Event().wait()
+        tensor.fill_(1)
+
+
+@pytest.mark.parametrize("wait_all_ranks", [False, True])
+def test_monitored_barrier_tells_a_lost_link_from_a_rank_that_did_not_arrive(wait_all_ranks):
+    from wanlink.errors import DeadlineExceeded, PeerLost
+
+    with pytest.raises(PeerLost, match=r"link to rank\(s\) \[2\] failed") as lost:
+        asyncio.run(direct.monitored_barrier(RankZeroComm("fails"), 30, wait_all_ranks))
+    assert "did not reach" not in str(lost.value)
+    with pytest.raises(DeadlineExceeded, match=r"timed out after 0.05 s: rank\(s\) \[2\] did not reach the barrier"):
+        asyncio.run(direct.monitored_barrier(RankZeroComm("silent"), 0.05, wait_all_ranks))

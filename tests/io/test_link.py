@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 import wanlink
-from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, MessageSizeError, PeerLost, ProtocolError
-from wanlink.io.link import PROBE_DISCARD_TAG
+from wanlink.errors import (
+    AuthenticationError, ConfigError, LimitExceeded, LocalProtocolError, MessageSizeError, PeerLost,
+)
 from wanlink.proto.frames import data_header
 from wanlink.proto.limits import Limits
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG
 from tests.io.conftest import SECRET, open_pair, proxied_pair
 
 pytestmark = pytest.mark.asyncio
@@ -260,6 +262,20 @@ async def test_unexpected_data_beyond_limit_fails_the_link():
         with pytest.raises(PeerLost):
             await asyncio.wait_for(p.client.send(bytes(4 * MiB), tag=5), 10)
         assert isinstance(p.accepted.error, LimitExceeded)
+    finally:
+        await p.close()
+
+
+async def test_sending_more_than_the_protocol_carries_is_a_local_error_and_the_link_survives():
+    p = await open_pair(1, limits=Limits(max_control_size=1024, max_transfer_size=MiB))
+    try:
+        with pytest.raises(LocalProtocolError, match="outgoing control message: 20.. > 1024"):
+            await p.client.send_control({"big": bytes(2000)})
+        with pytest.raises(LocalProtocolError, match=f"send on tag 3: {MiB + 1} > {MiB}"):
+            await p.client.send(bytes(MiB + 1), tag=3)
+        assert p.client.error is None
+        await asyncio.gather(p.client.send(b"ok", tag=3), p.accepted.recv_into(out := bytearray(2), tag=3))
+        assert out == b"ok"
     finally:
         await p.close()
 

@@ -6,7 +6,7 @@ import zlib
 import lz4.block
 import pytest
 
-from wanlink.errors import LimitExceeded, ProtocolError
+from wanlink.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from wanlink.proto.frames import (
     CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, AckReceived, ChunkReceived, CloseReceived, ControlReceived,
     Flags, FrameDecoder, FrameType, PingReceived, ack_header, control_header, data_header, parse_header,
@@ -96,13 +96,13 @@ def test_lz4_and_checksum_payloads():
 
 def test_checksum_mismatch_is_a_protocol_error():
     dec, _ = decoder()
-    with pytest.raises(ProtocolError, match="checksum"):
+    with pytest.raises(RemoteProtocolError, match="checksum"):
         dec.feed(data_header(1, 0, 3, 0, 3, flags=Flags.CHECKSUM, checksum=zlib.crc32(b"abc") ^ 1) + b"abc")
 
 
 def test_corrupt_lz4_is_a_protocol_error():
     dec, _ = decoder()
-    with pytest.raises(ProtocolError, match="lz4"):
+    with pytest.raises(RemoteProtocolError, match="lz4"):
         dec.feed(data_header(1, 0, 100, 0, 5, flags=Flags.LZ4, raw_len=100) + b"\xff\xff\xff\xff\xff")
 
 
@@ -114,21 +114,21 @@ def _fields(**changes):
 
 
 @pytest.mark.parametrize("raw, error, match", [
-    (_fields(type=0), ProtocolError, "unknown frame type"),
-    (_fields(type=99), ProtocolError, "unknown frame type"),
-    (_fields(reserved=1), ProtocolError, "reserved"),
-    (_fields(flags=0x80), ProtocolError, "unknown frame flags"),
+    (_fields(type=0), RemoteProtocolError, "unknown frame type"),
+    (_fields(type=99), RemoteProtocolError, "unknown frame type"),
+    (_fields(reserved=1), RemoteProtocolError, "reserved"),
+    (_fields(flags=0x80), RemoteProtocolError, "unknown frame flags"),
     (_fields(total=(1 << 20) + 1), LimitExceeded, "max_transfer_size"),
     (_fields(wire_len=(1 << 16) + 1, raw_len=(1 << 16) + 1, total=1 << 20), LimitExceeded, "max_frame_payload"),
     (_fields(flags=Flags.LZ4, wire_len=(1 << 16) + 1, total=1 << 20), LimitExceeded, "max_frame_payload"),
-    (_fields(offset=95), ProtocolError, "outside message"),
-    (_fields(wire_len=9), ProtocolError, "wire_len"),
-    (_fields(checksum=5), ProtocolError, "checksum set without"),
-    (_fields(type=FrameType.ACK, wire_len=4), ProtocolError, "payload"),
-    (_fields(type=FrameType.PING, wire_len=1, raw_len=0), ProtocolError, "payload"),
-    (_fields(type=FrameType.CLOSE, flags=1, wire_len=0), ProtocolError, "flags"),
+    (_fields(offset=95), RemoteProtocolError, "outside message"),
+    (_fields(wire_len=9), RemoteProtocolError, "wire_len"),
+    (_fields(checksum=5), RemoteProtocolError, "checksum set without"),
+    (_fields(type=FrameType.ACK, wire_len=4), RemoteProtocolError, "payload"),
+    (_fields(type=FrameType.PING, wire_len=1, raw_len=0), RemoteProtocolError, "payload"),
+    (_fields(type=FrameType.CLOSE, flags=1, wire_len=0), RemoteProtocolError, "flags"),
     (_fields(type=FrameType.CONTROL, wire_len=1025, raw_len=1025), LimitExceeded, "max_control_size"),
-    (_fields(type=FrameType.ACK, wire_len=0, offset=95), ProtocolError, "outside"),
+    (_fields(type=FrameType.ACK, wire_len=0, offset=95), RemoteProtocolError, "outside"),
 ])
 def test_every_malformed_field_is_rejected_before_payload(raw, error, match):
     placed = []
@@ -147,10 +147,16 @@ def test_limit_error_names_the_limit():
     assert "max_transfer_size" in str(info.value)
 
 
-def test_advance_beyond_offered_buffer_is_refused():
+def test_advance_beyond_offered_buffer_is_local_misuse():
     dec, _ = decoder()
-    with pytest.raises(ValueError):
+    with pytest.raises(LocalProtocolError, match="beyond"):
         dec.advance(HEADER_SIZE + 1)
+
+
+def test_a_placer_returning_the_wrong_size_is_local_misuse():
+    dec = FrameDecoder(lambda header: memoryview(bytearray(header.raw_len - 1)), LIMITS)
+    with pytest.raises(LocalProtocolError, match="wrong size"):
+        dec.feed(data_frame(1, 0, 64, 0, bytes(64)))
 
 
 def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():
@@ -169,8 +175,8 @@ def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():
         try:
             for start in range(0, len(blob), rng.randint(1, 50)):
                 dec.feed(blob[start:start + 50])
-        except ProtocolError:
-            pass  # LimitExceeded is a ProtocolError too; anything else fails the test
+        except RemoteProtocolError:
+            pass  # LimitExceeded is a RemoteProtocolError too; anything else fails the test
 
 
 def test_fuzz_never_allocates_beyond_limits():
@@ -188,6 +194,6 @@ def test_fuzz_never_allocates_beyond_limits():
                           rng.getrandbits(13), length, length, 0)
         try:
             FrameDecoder(place, dec_limits).feed(raw)
-        except ProtocolError:
+        except RemoteProtocolError:
             pass
     assert sizes and max(sizes) <= 4096

@@ -27,7 +27,8 @@ from wanlink.errors import (
     AuthenticationError, ConfigError, DeadlineExceeded, PeerLost, ProtocolError, UnsupportedError, WanlinkError,
 )
 from wanlink.probe import iperf3 as proto
-from wanlink.probe.driver import choose_streams, inflight_bytes_for
+from wanlink.endpoints import choose_streams
+from wanlink.probe.step import inflight_bytes_for
 from wanlink.probe.iperf3 import (
     NEED_DATA, ConnectionClosed, ControlConnection, Cookie, Parameters, Results, Role, ServerError, State,
     StateChange, StreamResult, TestParameters, TestResults, WanlinkAccept,
@@ -37,6 +38,7 @@ from wanlink.probe.report import (
     SEPARATOR, StreamSample, StreamTotals, end_json, header, interval_json, interval_lines, stream_line,
     sum_line, sum_samples, summary_lines,
 )
+from wanlink.settings import from_env
 
 PROG = "wanlink-iperf"
 VERSION = "wanlink-iperf 0.1.0 (iperf3 protocol)"
@@ -454,7 +456,7 @@ class LinkChannel:
 async def link_sender(link, progress: Progress, message: memoryview, estimator: DeliveryRateEstimator,
                       depth: int) -> None:
     """Keep ``depth`` messages queued on PROBE_DISCARD_TAG until stopped or the budget is spent."""
-    from wanlink.io.link import PROBE_DISCARD_TAG
+    from wanlink.proto.reassembly import PROBE_DISCARD_TAG
 
     loop = asyncio.get_running_loop()
 
@@ -823,10 +825,9 @@ class Client:
         count = o.parallel
         try:
             if auto:
-                env = os.environ.get("WANLINK_STREAMS")
-                if env and env.strip().lower() not in ("", "auto"):
-                    from wanlink.io.link import stream_count_from
-                    count = stream_count_from(None)
+                configured = from_env().streams
+                if isinstance(configured, int):
+                    count = configured
                 else:
                     self.out.line(f"Probing {o.host} port {o.port}: streams 1, 2, 4, ... up to {o.max_streams}")
                     result = await choose_streams(o.host, o.port, secret=secret, meta=meta,
@@ -835,7 +836,7 @@ class Client:
                     count, chunk = result.streams, result.chunk_size
                     self.wl.probe, self.wl.rtt_s, self.wl.streams_auto = result.to_json(), result.rtt_s, True
             from wanlink.sched.chunking import chunk_size_from
-            chunk = chunk_size_from(chunk)
+            chunk = chunk_size_from(from_env().chunk_size if chunk is None else chunk)
             meta["chunk_size"] = chunk
             self.link = await wanlink.connect(o.host, o.port, streams=count, secret=secret, meta=meta,
                                               timeout=o.connect_timeout + 20, chunk_size=chunk,
@@ -1283,7 +1284,7 @@ class IperfServer:
         from wanlink.sched.chunking import chunk_size_from
 
         secret = read_secret(self.out)
-        self.chunk_size = chunk_size_from(None)
+        self.chunk_size = chunk_size_from(from_env().chunk_size)
         options = {"chunk_size": self.chunk_size, "congestion": self.opts.congestion,
                    "sock_buffer": self.opts.window, "compress": False, "checksum": False}
         # wanlink.serve() always listens itself; the iperf server needs handshakes on its own socket,

@@ -6,28 +6,25 @@ import collections
 import os
 import socket
 
-from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, ProtocolError, WanlinkError
+from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, configure_stream_socket, congestion_of, is_local_socket, is_loopback, log, recv_exactly,
-    tcp_bytes_acked, unix_address,
+    close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly, tcp_bytes_acked,
+    unix_address,
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import pack_message, unpack_message
 from wanlink.proto.frames import PING_FRAME, Header, control_header
 from wanlink.proto.handshake import ClientHandshake, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
-from wanlink.proto.reassembly import DISCARD_TAG, Incoming, Reassembler
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
 from wanlink.probe.rate import DeliveryRateEstimator
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
 
-PROBE_DISCARD_TAG = DISCARD_TAG  # data sent on this tag is received, acknowledged and dropped by the peer
-PROBE_META_KEY = "wanlink_probe"  # a link whose meta has it only carries probe traffic; servers keep it to themselves
 DEFAULT_TIMEOUT = 30.0
-DEFAULT_STREAMS = 4
 LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
-"""Default chunk size of a link whose streams all run over loopback or Unix sockets (WANLINK_CHUNK_SIZE overrides).
+"""Default chunk size of a link whose streams all run over loopback or Unix sockets.
 There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; elsewhere the probe
 picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
@@ -60,21 +57,6 @@ def _check_tag(tag, *, allow_discard: bool = False) -> None:
         raise ConfigError(f"tag {tag} is reserved: negative tags are wanlink-internal")
 
 
-def stream_count_from(streams: int | None) -> int | None:
-    """N from the argument, else WANLINK_STREAMS, else None (choose by probing)."""
-    if streams is None:
-        env = os.environ.get("WANLINK_STREAMS")
-        if env is None or env.strip().lower() in ("", "auto"):
-            return None
-        try:
-            streams = int(env)
-        except ValueError:
-            raise ConfigError(f"WANLINK_STREAMS must be an integer or 'auto', got {env!r}") from None
-    if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= DEFAULT_LIMITS.max_streams:
-        raise ConfigError(f"streams must be an int in [1, {DEFAULT_LIMITS.max_streams}], got {streams!r}")
-    return streams
-
-
 class Link:
     """N TCP streams to one peer, carrying tagged messages in both directions.
 
@@ -95,8 +77,7 @@ class Link:
         self.link_id = link_id
         self.peer_meta = peer_meta or {}
         self.limits = limits
-        local = all(is_local_socket(sock) for sock in socks)
-        if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None and local:
+        if chunk_size is None and all(is_local_socket(sock) for sock in socks):
             chunk_size = LOOPBACK_CHUNK_SIZE
         self.chunk_size = chunk_size_from(chunk_size)
         self.timeout = timeout
@@ -176,7 +157,7 @@ class Link:
         view = byte_view(buffer)
         _check_tag(tag, allow_discard=True)
         self._raise_if_failed()
-        self.limits.check("max_transfer_size", len(view), f"send on tag {tag}")
+        self.limits.check_outgoing("max_transfer_size", len(view), f"send on tag {tag}")
         seq = self._next_send_seq.get(tag, 0)
         self._next_send_seq[tag] = seq + 1
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
@@ -233,7 +214,7 @@ class Link:
         """Send one small msgpack-able control message (ordered per stream, not across)."""
         self._raise_if_failed()
         payload = pack_message(message)
-        self.limits.check("max_control_size", len(payload), "outgoing control message")
+        self.limits.check_outgoing("max_control_size", len(payload), "outgoing control message")
         stream = min((s for s in self._streams if s.alive), key=lambda s: len(s.control))
         stream.queue_control(control_header(len(payload)) + payload)
 
@@ -276,7 +257,7 @@ class Link:
             if header.seq < self._next_send_seq.get(header.tag, 0):
                 self.duplicate_acks += 1
                 return
-            raise ProtocolError(f"ack for tag={header.tag} seq={header.seq}, a message never sent")
+            raise RemoteProtocolError(f"ack for tag={header.tag} seq={header.seq}, a message never sent")
         transfer, done = pending
         if transfer.ack(header.offset, header.raw_len):
             stream.in_flight.pop((header.tag, header.seq, header.offset), None)
@@ -463,48 +444,31 @@ class Link:
         }
 
 
-async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, sock_buffer,
-                              timeout: float) -> tuple[int, int | None]:
-    """N (and a chunk size) for a path: probed, except towards loopback unless WANLINK_STREAMS=auto."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    forced = os.environ.get("WANLINK_STREAMS", "").strip().lower() == "auto"
-    if not forced and all(is_loopback(info[4][0]) for info in infos):
-        return DEFAULT_STREAMS, None  # no window-limited path to measure
-    from wanlink.probe.driver import choose_streams
-
-    result = await choose_streams(host, port, secret=secret, congestion=congestion, sock_buffer=sock_buffer,
-                                  timeout=timeout)
-    log.info("wanlink: probed %s:%s: %d streams, %.0f Mbit/s, RTT %.1f ms, chunk %d KiB (%s)", host, port,
-             result.streams, 8 * result.rate / 1e6, 1e3 * result.rtt_s, result.chunk_size // 1024, result.reason)
-    return result.streams, result.chunk_size
+def check_stream_count(streams) -> int:
+    """``streams`` when it is an int in [1, max_streams]; ConfigError otherwise."""
+    if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= DEFAULT_LIMITS.max_streams:
+        raise ConfigError(f"streams must be an int in [1, {DEFAULT_LIMITS.max_streams}], got {streams!r}")
+    return streams
 
 
-async def connect(host: str, port: int, *, streams: int | None = None, secret: bytes | str | None = None,
-                  meta: dict | None = None, timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None,
-                  congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
-                  checksum: bool = False, limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None) -> Link:
-    """Open a Link of ``streams`` TCP streams to a wanlink server and authenticate each one.
+async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, meta: dict | None = None,
+                    timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None, congestion: str | None = None,
+                    sock_buffer: int | None = None, compress: bool = False, checksum: bool = False,
+                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None) -> Link:
+    """Open a Link of exactly ``streams`` TCP streams to a wanlink server and authenticate each one.
 
-    ``streams`` defaults to WANLINK_STREAMS, else to a count probed on the path (1, 2, 4, ... up to
-    64 streams until doubling gains under 5 %; ``WANLINK_STREAMS=auto`` probes even towards
-    loopback, where the default is 4 without probing). ``timeout`` bounds the connection set-up
-    and is the link's silence timeout afterwards. ``unix_name``: the server's abstract Unix socket
-    (``Server.unix_name``, same host and network namespace only); the streams are Unix sockets,
-    not probed (default 4).
+    Everything is resolved already (``wanlink.connect`` probes the path and reads the settings):
+    ``chunk_size`` None is 4 MiB over loopback or Unix sockets, else the transport's default.
+    ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
+    ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
+    namespace only); the streams are then Unix sockets.
     """
-    count = stream_count_from(streams)
+    count = check_stream_count(streams)
+    chunk_size_from(chunk_size)  # a bad size fails before connecting
     key = normalize_secret(secret)
     if not key:
         log.warning("wanlink: connecting to %s:%s without authentication (empty secret)", host, port)
     loop = asyncio.get_running_loop()
-    if count is None and unix_name is not None:
-        count = DEFAULT_STREAMS
-    if count is None:
-        count, probed_chunk = await _probe_stream_count(host, port, key, congestion, sock_buffer, timeout)
-        if chunk_size is None and os.environ.get("WANLINK_CHUNK_SIZE") is None:
-            chunk_size = probed_chunk
-    chunk_size_from(chunk_size)  # a bad size (or WANLINK_CHUNK_SIZE) fails before connecting; None: see Link
     link_id = os.urandom(16)
     socks: list[socket.socket | None] = [None] * count
 

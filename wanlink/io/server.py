@@ -1,4 +1,4 @@
-"""serve(): accept authenticated streams, assemble them into Links, hand each Link to on_link."""
+"""start_server(): accept authenticated streams, assemble them into Links, hand each Link to on_link."""
 from __future__ import annotations
 
 import asyncio
@@ -6,12 +6,13 @@ import dataclasses
 import inspect
 import socket
 
-from wanlink.errors import AuthenticationError, PeerLost, ProtocolError, WanlinkError
+from wanlink.errors import AuthenticationError, LocalProtocolError, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
-from wanlink.io.link import DEFAULT_TIMEOUT, PROBE_META_KEY, Link
+from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly, unix_listener
-from wanlink.proto.handshake import ServerHandshake, Status, normalize_secret
+from wanlink.proto.handshake import PROBE_META_KEY, ServerHandshake, Status, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+from wanlink.sched.chunking import chunk_size_from
 
 
 @dataclasses.dataclass
@@ -102,7 +103,7 @@ class Server:
         while handshake.stream is None:
             wanted = handshake.bytes_wanted()
             if len(data) > wanted:
-                raise ProtocolError(f"{len(data)} prefix bytes exceed the {wanted}-byte handshake message")
+                raise LocalProtocolError(f"{len(data)} prefix bytes exceed the {wanted}-byte handshake message")
             data += await recv_exactly(loop, sock, wanted - len(data))
             reply, data = handshake.receive(data), b""
         hello = handshake.stream
@@ -110,7 +111,7 @@ class Server:
         status = self._admission(hello, pending)
         if status is not Status.OK:
             await loop.sock_sendall(sock, handshake.reject(status))
-            raise ProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+            raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
         await loop.sock_sendall(sock, reply)
         try:
             result = handshake.receive(await recv_exactly(loop, sock, handshake.bytes_wanted()))
@@ -121,7 +122,7 @@ class Server:
         status = self._admission(hello, pending)
         if status is not Status.OK:
             await loop.sock_sendall(sock, bytes([status]))
-            raise ProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+            raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
         await loop.sock_sendall(sock, result)
         if pending is None:
             pending = _PendingLink(hello.count)
@@ -217,17 +218,20 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = None,
-                timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS, backlog: int = 128,
-                chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
-                compress: bool = False, checksum: bool = False, unix: bool = False) -> Server:
+async def start_server(host: str, port: int, *, on_link, secret: bytes | str, timeout: float = DEFAULT_TIMEOUT,
+                       limits: Limits = DEFAULT_LIMITS, backlog: int = 128, chunk_size: int | None = None,
+                       congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
+                       checksum: bool = False, unix: bool = False) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
+
+    Everything is resolved already (``wanlink.serve`` reads the settings for what it is not given).
 
     ``unix=True`` also listens on an abstract Unix socket (``server.unix_name``) for processes of
     the same host and network namespace: the same handshake; sending costs a third less CPU per
     byte than over TCP loopback (bench/loopback_throughput.py --paths tcp unix).
     """
     key = normalize_secret(secret)
+    chunk_size_from(chunk_size)  # a bad size fails now, not at each link
     if not key:
         log.warning("wanlink: serving on %s:%s without authentication (empty secret)", host, port)
     try:

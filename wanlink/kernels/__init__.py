@@ -18,16 +18,13 @@ from types import ModuleType
 
 from wanlink.errors import ConfigError, UnsupportedError
 from wanlink.kernels import reference
+from wanlink.settings import from_env
 
 __all__ = ["IMPLEMENTATIONS", "NAME", "active", "available", "load", "num_threads", "use"]
 
 IMPLEMENTATIONS = ("compiled", "reference")
 FORCE_REFERENCE_VARIABLE = "WANLINK_PUREPYTHON"
-
-
-def _reference_forced() -> bool:
-    value = os.environ.get(FORCE_REFERENCE_VARIABLE, "").strip().lower()
-    return value not in ("", "0", "false", "no")
+_REFERENCE_FORCED = from_env().pure_python  # read once, at import: this module is the kernels' edge
 
 
 def _import_compiled() -> ModuleType | None:
@@ -42,7 +39,7 @@ def _import_compiled() -> ModuleType | None:
     return module
 
 
-_compiled = None if _reference_forced() else _import_compiled()
+_compiled = None if _REFERENCE_FORCED else _import_compiled()
 
 
 def available() -> list[str]:
@@ -56,7 +53,7 @@ def load(name: str) -> ModuleType:
         return reference
     if name == "compiled":
         if _compiled is None:
-            reason = f"{FORCE_REFERENCE_VARIABLE} is set" if _reference_forced() else "wanlink._kernels is not built"
+            reason = f"{FORCE_REFERENCE_VARIABLE} is set" if _REFERENCE_FORCED else "wanlink._kernels is not built"
             raise UnsupportedError(f"compiled kernels unavailable: {reason}")
         return _compiled
     raise ConfigError(f"unknown kernel implementation {name!r}; expected one of {IMPLEMENTATIONS}")

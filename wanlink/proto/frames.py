@@ -19,7 +19,7 @@ import struct
 import zlib
 from typing import Callable
 
-from wanlink.errors import ProtocolError
+from wanlink.errors import LocalProtocolError, RemoteProtocolError
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
 HEADER = struct.Struct("<BBHqIQQIII")
@@ -83,35 +83,35 @@ CLOSE_FRAME = HEADER.pack(FrameType.CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def parse_header(raw: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Header:
-    """Decode and validate one header; raises ProtocolError/LimitExceeded on any bad field."""
+    """Decode and validate one header; raises RemoteProtocolError (LimitExceeded among them) on any bad field."""
     ftype, flags, reserved, tag, seq, total, offset, wire_len, raw_len, checksum = HEADER.unpack(raw)
     try:
         frame_type = FrameType(ftype)
     except ValueError:
-        raise ProtocolError(f"unknown frame type {ftype}") from None
+        raise RemoteProtocolError(f"unknown frame type {ftype}") from None
     if reserved:
-        raise ProtocolError(f"reserved header field is {reserved}, must be 0")
+        raise RemoteProtocolError(f"reserved header field is {reserved}, must be 0")
     if flags & ~KNOWN_FLAGS:
-        raise ProtocolError(f"unknown frame flags 0x{flags:02x}")
+        raise RemoteProtocolError(f"unknown frame flags 0x{flags:02x}")
     if frame_type is FrameType.DATA:
         limits.check("max_transfer_size", total, f"message tag={tag} seq={seq}")
         limits.check("max_frame_payload", raw_len, f"chunk of tag={tag} seq={seq}")
         limits.check("max_frame_payload", wire_len, f"chunk of tag={tag} seq={seq}")
         if offset + raw_len > total:
-            raise ProtocolError(f"chunk [{offset}, {offset + raw_len}) lies outside message of {total} bytes")
+            raise RemoteProtocolError(f"chunk [{offset}, {offset + raw_len}) lies outside message of {total} bytes")
         if not flags & FLAG_LZ4 and wire_len != raw_len:
-            raise ProtocolError(f"uncompressed chunk has wire_len {wire_len} != raw_len {raw_len}")
+            raise RemoteProtocolError(f"uncompressed chunk has wire_len {wire_len} != raw_len {raw_len}")
         if not flags & FLAG_CHECKSUM and checksum:
-            raise ProtocolError("checksum set without the CHECKSUM flag")
+            raise RemoteProtocolError("checksum set without the CHECKSUM flag")
     else:
         if flags:
-            raise ProtocolError(f"flags 0x{flags:02x} on a {frame_type.name} frame")
+            raise RemoteProtocolError(f"flags 0x{flags:02x} on a {frame_type.name} frame")
         if frame_type in _NO_PAYLOAD and wire_len:
-            raise ProtocolError(f"{frame_type.name} frame with a {wire_len}-byte payload")
+            raise RemoteProtocolError(f"{frame_type.name} frame with a {wire_len}-byte payload")
         if frame_type is FrameType.CONTROL:
             limits.check("max_control_size", wire_len, "control message")
         if frame_type is FrameType.ACK and offset + raw_len > total:
-            raise ProtocolError(f"ack of [{offset}, {offset + raw_len}) outside a {total}-byte message")
+            raise RemoteProtocolError(f"ack of [{offset}, {offset + raw_len}) outside a {total}-byte message")
     return Header(frame_type, flags, tag, seq, total, offset, wire_len, raw_len, checksum)
 
 
@@ -172,7 +172,7 @@ class FrameDecoder:
     def advance(self, nbytes: int) -> list:
         """Account for ``nbytes`` just written into ``buffer()``; returns completed events."""
         if nbytes < 0 or self._filled + nbytes > len(self._target):
-            raise ValueError(f"advance({nbytes}) beyond the {len(self._target) - self._filled} bytes offered")
+            raise LocalProtocolError(f"advance({nbytes}) beyond the {len(self._target) - self._filled} bytes offered")
         self._filled += nbytes
         if self._filled < len(self._target):
             return []
@@ -207,7 +207,7 @@ class FrameDecoder:
         if header.type is FrameType.DATA:
             destination = self._place(header)
             if len(destination) != header.raw_len:
-                raise AssertionError("payload placer returned a view of the wrong size")
+                raise LocalProtocolError("payload placer returned a view of the wrong size")
             if header.flags & FLAG_LZ4:
                 self._destination = destination
             else:
@@ -228,7 +228,7 @@ class FrameDecoder:
             else:
                 raw = self._target
             if header.flags & FLAG_CHECKSUM and zlib.crc32(raw) != header.checksum:
-                raise ProtocolError(f"checksum mismatch in chunk at offset {header.offset} of tag={header.tag} seq={header.seq}")
+                raise RemoteProtocolError(f"checksum mismatch in chunk at offset {header.offset} of tag={header.tag} seq={header.seq}")
             event = ChunkReceived(header)
         self._expect_header([])
         return event
@@ -248,9 +248,9 @@ def _decompress_into(compressed: bytearray, destination: memoryview, header: Hea
     try:
         raw = lz4.block.decompress(bytes(compressed), uncompressed_size=header.raw_len)
     except lz4.block.LZ4BlockError as exc:
-        raise ProtocolError(f"corrupt lz4 chunk at offset {header.offset} of tag={header.tag}: {exc}") from None
+        raise RemoteProtocolError(f"corrupt lz4 chunk at offset {header.offset} of tag={header.tag}: {exc}") from None
     if len(raw) != header.raw_len:
-        raise ProtocolError(f"lz4 chunk decompressed to {len(raw)} bytes, header says {header.raw_len}")
+        raise RemoteProtocolError(f"lz4 chunk decompressed to {len(raw)} bytes, header says {header.raw_len}")
     destination[:] = raw
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from wanlink.errors import ConfigError, LimitExceeded
+from wanlink.errors import ConfigError, LimitExceeded, LocalProtocolError
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -12,7 +12,8 @@ GiB = 1024 * MiB
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Bounds a peer may never exceed; a violation raises LimitExceeded and closes that link."""
+    """Bounds a peer may never exceed (a violation raises LimitExceeded and closes that link), and
+    which this side never asks for (``check_outgoing``: LocalProtocolError)."""
 
     max_frame_payload: int = 16 * MiB  # one DATA frame's payload (chunks are at most 4 MiB)
     max_transfer_size: int = 64 * GiB  # one message (tag, seq)
@@ -36,10 +37,16 @@ class Limits:
             raise ConfigError("Limits.max_frame_payload must fit in 32 bits")
 
     def check(self, limit: str, value: int, context: str = "") -> None:
-        """Raise LimitExceeded when ``value`` is above the limit named ``limit``."""
+        """Raise LimitExceeded when ``value``, which the peer sent, is above the limit named ``limit``."""
         maximum = getattr(self, limit)
         if value > maximum:
             raise LimitExceeded(limit, value, maximum, context)
+
+    def check_outgoing(self, limit: str, value: int, context: str = "") -> None:
+        """Raise LocalProtocolError when ``value``, which this side is about to send, is above ``limit``."""
+        maximum = getattr(self, limit)
+        if value > maximum:
+            raise LocalProtocolError(f"{context}: {value} > {maximum}, the most the protocol carries ({limit})")
 
 
 DEFAULT_LIMITS = Limits()

@@ -5,7 +5,7 @@ tag are matched to messages in order. A chunk of a message nobody posted a buffe
 staged on its own (so a post that comes a moment late copies only the chunks that came early),
 in memory bounded by ``Limits.max_unexpected_bytes``. A chunk seen before (re-sent after a stream
 died) is routed to a scratch sink and not counted twice. Negative tags are reserved:
-``DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
+``PROBE_DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import heapq
 
 import numpy as np
 
-from wanlink.errors import MessageSizeError, ProtocolError
+from wanlink.errors import LocalProtocolError, MessageSizeError, RemoteProtocolError
 from wanlink.proto.frames import Header
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
-DISCARD_TAG = -1
+PROBE_DISCARD_TAG = -1  # data sent on this tag is received, acknowledged and dropped by the peer
 SCRATCH_SIZE = 16 * 1024 * 1024
 SPARE_STAGING_BYTES = 64 * 1024 * 1024
 """Staging buffers kept for reuse once their chunk moved to a posted buffer: chunks that arrive
@@ -80,7 +80,7 @@ class Reassembler:
     def post(self, tag: int, buffer: memoryview) -> Incoming:
         """Claim the next message on ``tag`` for ``buffer``; chunks that came early are copied in now."""
         if tag < 0:
-            raise ValueError(f"tag {tag} is reserved (negative tags are wanlink-internal)")
+            raise LocalProtocolError(f"tag {tag} is reserved (negative tags are wanlink-internal)")
         state = self._tags.setdefault(tag, _TagState())
         if state.returned_seqs:
             seq = heapq.heappop(state.returned_seqs)
@@ -121,8 +121,8 @@ class Reassembler:
     def place(self, header: Header) -> memoryview:
         """Where the raw bytes of this DATA chunk go."""
         if header.tag < 0:
-            if header.tag != DISCARD_TAG:
-                raise ProtocolError(f"data on reserved tag {header.tag}")
+            if header.tag != PROBE_DISCARD_TAG:
+                raise RemoteProtocolError(f"data on reserved tag {header.tag}")
             return self.scratch_view(header.raw_len)
         state = self._tags.setdefault(header.tag, _TagState())
         if state.is_completed(header.seq):
@@ -135,7 +135,7 @@ class Reassembler:
             if entry.buffer is not None and len(entry.buffer) != header.total:
                 entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
         elif entry.total != header.total:
-            raise ProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
+            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
         if header.offset in entry.chunks or entry.error is not None:
             return self.scratch_view(header.raw_len)
         if entry.buffer is not None:
@@ -165,7 +165,7 @@ class Reassembler:
         entry.chunks[header.offset] = header.raw_len
         entry.received += header.raw_len
         if entry.received > entry.total:
-            raise ProtocolError(f"message tag={header.tag} seq={header.seq} received more than {entry.total} bytes")
+            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} received more than {entry.total} bytes")
         if entry.done:  # failed earlier: forget it once its remaining chunks are drained
             if entry.complete:
                 self._retire(entry)

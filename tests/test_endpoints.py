@@ -1,14 +1,18 @@
-"""choose_streams over real loopback Links (outcomes only: never timing)."""
+"""wanlink.connect/serve at the edge: settings filled in, and choose_streams over real loopback Links.
+
+Outcomes only, never timing.
+"""
 import asyncio
 import socket
 
 import pytest
 
 import wanlink
+from wanlink.endpoints import DEFAULT_STREAMS, choose_streams
 from wanlink.errors import AuthenticationError, ConfigError, PeerLost
 from wanlink.probe.chunk import MAX_CHUNK, MIN_CHUNK
-from wanlink.io.link import DEFAULT_STREAMS, PROBE_META_KEY
-from wanlink.probe.driver import MIN_INFLIGHT_BYTES, STREAM_INFLIGHT_BYTES, StepTiming, choose_streams, inflight_bytes_for
+from wanlink.proto.handshake import PROBE_META_KEY
+from wanlink.settings import Settings
 
 SECRET = b"probe-test-secret"
 LIMIT = 60.0
@@ -29,6 +33,11 @@ class Peer:
         await self.server.wait_closed()
         for link in self.links:
             await link.close()
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
 
 
 @pytest.mark.asyncio
@@ -99,18 +108,52 @@ async def test_probe_rejects_bad_bounds():
         await choose_streams("127.0.0.1", 1, secret=SECRET, max_streams=0)
 
 
-def test_step_timing_scales_with_rtt_and_is_capped():
-    short, long = StepTiming.for_rtt(0.0001), StepTiming.for_rtt(0.08)
-    assert short.warmup_s == 0.25 and short.measure_s == 0.4
-    assert long.warmup_s > short.warmup_s and long.measure_s > short.measure_s
-    huge = StepTiming.for_rtt(10.0)
-    assert huge.warmup_s == 2.0 and huge.measure_s == 2.0
-    assert StepTiming.for_rtt(0.04, measure_s=0.1).measure_s == 0.1
+@pytest.mark.asyncio
+async def test_streams_and_chunk_size_come_from_the_environment_at_the_edge(monkeypatch):
+    monkeypatch.setenv("WANLINK_STREAMS", "3")
+    monkeypatch.setenv("WANLINK_CHUNK_SIZE", str(2 * 1024 * 1024))
+    async with Peer() as peer:
+        link = await asyncio.wait_for(wanlink.connect("127.0.0.1", peer.server.port, secret=SECRET), LIMIT)
+        try:
+            assert link.streams == 3
+            assert link.chunk_size == 2 * 1024 * 1024  # the variable wins over the 4 MiB loopback default
+            await asyncio.wait_for(_until(lambda: peer.links), LIMIT)
+            assert peer.links[0].chunk_size == 2 * 1024 * 1024  # and so on the server's side
+        finally:
+            await link.close()
 
 
-def test_inflight_covers_every_stream_and_the_bandwidth_delay_product():
-    assert inflight_bytes_for(1) == MIN_INFLIGHT_BYTES  # few streams: the floor
-    assert inflight_bytes_for(16) == 16 * STREAM_INFLIGHT_BYTES > MIN_INFLIGHT_BYTES  # each stream kept busy
-    fast = inflight_bytes_for(2, rate=250e6, rtt_s=0.2)  # 2 Gbit/s at 200 ms: twice the BDP
-    assert fast == int(2 * 250e6 * 0.2)
-    assert inflight_bytes_for(1, floor=1 << 20) == STREAM_INFLIGHT_BYTES
+@pytest.mark.asyncio
+async def test_explicit_arguments_and_settings_override_the_environment(monkeypatch):
+    chosen = Settings(streams=2, secret=SECRET.decode())
+    async with Peer() as peer:
+        monkeypatch.setenv("WANLINK_STREAMS", "many")  # never read: settings= replaces the environment
+        monkeypatch.setenv("WANLINK_SECRET", "not-this-one")
+        link = await asyncio.wait_for(wanlink.connect("127.0.0.1", peer.server.port, settings=chosen), LIMIT)
+        assert link.streams == 2
+        await link.close()
+        link = await asyncio.wait_for(
+            wanlink.connect("127.0.0.1", peer.server.port, streams=1, secret=SECRET, settings=chosen), LIMIT)
+        assert link.streams == 1
+        await link.close()
+
+
+@pytest.mark.asyncio
+async def test_the_secret_comes_from_wanlink_secret_else_a_clear_error(monkeypatch):
+    monkeypatch.delenv("WANLINK_SECRET", raising=False)
+    with pytest.raises(ConfigError, match="WANLINK_SECRET"):
+        await wanlink.serve("127.0.0.1", 0, on_link=lambda link: None)
+    async with Peer() as peer:
+        with pytest.raises(ConfigError, match="WANLINK_SECRET"):
+            await wanlink.connect("127.0.0.1", peer.server.port, streams=1)
+        monkeypatch.setenv("WANLINK_SECRET", SECRET.decode())
+        link = await asyncio.wait_for(wanlink.connect("127.0.0.1", peer.server.port, streams=1), LIMIT)
+        await link.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("variable, value", [("WANLINK_STREAMS", "many"), ("WANLINK_CHUNK_SIZE", "big")])
+async def test_a_malformed_variable_fails_before_connecting(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=variable):
+        await wanlink.connect("127.0.0.1", 1, secret=SECRET)
