@@ -3,7 +3,8 @@
 Each call validates its arguments in the caller's thread (unsupported things raise at once),
 stages tensors into flat CPU buffers, and submits one coroutine to the process's I/O loop; the
 returned Work finishes when that coroutine does. Small tensors use direct exchange, large ones
-pipelined rings (``wanlink.collectives``).
+pipelined rings (``wanlink.collectives``), or the site-aware algorithms when the group spans
+sites where they pay off (docs/sites.md).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
-from wanlink.collectives import direct, ring
+from wanlink.collectives import direct, hierarchical, ring
 from wanlink.collectives.base import Comm, gather_all, split
 from wanlink.collectives.reduce_ops import finish_average, reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
@@ -51,6 +52,8 @@ class ProcessGroupWanlink(ProcessGroup):
         self.label, self.default_timeout = group_name, timeout
         self._group_name, self._group_desc = group_name, group_name
         self.slot = mesh.claim_slot(group_name)
+        self.site_map = mesh.sites.subgroup(self.mesh_ranks)
+        self._site_aware = hierarchical.pays_off(self.site_map)
         self.direct_max_bytes, self.piece_bytes = settings.direct_max_bytes, settings.piece_bytes
         self.detail = detail  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's fingerprint
         self._sequence = 0
@@ -147,9 +150,18 @@ class ProcessGroupWanlink(ProcessGroup):
     def _is_small(self, size_bytes: int) -> bool:
         return size_bytes <= self.direct_max_bytes
 
+    def sites(self) -> dict:
+        """This rank's site and LocalDPRank and the group's cells (``wanlink.c10d.site_map``)."""
+        return {**self.site_map.describe(self.group_rank), "site_aware": self._site_aware}
+
     # -- algorithm choice (shared by single and coalesced calls) ----------------------------------
     async def _run_allreduce(self, comm: Comm, buffer: torch.Tensor, reducer, name: str) -> None:
-        await (direct.allreduce if self._is_small(nbytes(buffer)) else ring.allreduce)(comm, buffer, reducer)
+        if self._is_small(nbytes(buffer)):
+            await direct.allreduce(comm, buffer, reducer)
+        elif self._site_aware:
+            await hierarchical.allreduce(comm, self.site_map, buffer, reducer)
+        else:
+            await ring.allreduce(comm, buffer, reducer)
         if name == "avg":
             finish_average(buffer, self.group_size)
 
@@ -157,6 +169,8 @@ class ProcessGroupWanlink(ProcessGroup):
                                   reducer, name: str) -> None:
         if self._is_small(nbytes(result) * self.group_size):
             await direct.reduce_scatter(comm, blocks, result, reducer)
+        elif self._site_aware:
+            await hierarchical.reduce_scatter(comm, self.site_map, blocks, result, reducer)
         else:
             await ring.reduce_scatter_into(comm, blocks, result, reducer)
         if name == "avg":
@@ -167,7 +181,10 @@ class ProcessGroupWanlink(ProcessGroup):
             await direct.all_gather(comm, source, targets)
         else:
             targets[self.group_rank].copy_(source)
-            await ring.all_gather(comm, targets)
+            if self._site_aware:
+                await hierarchical.all_gather(comm, self.site_map, targets)
+            else:
+                await ring.all_gather(comm, targets)
 
     # -- reductions ---------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -309,7 +326,12 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.read(tensor) if self.group_rank == root else staging.write(tensor)
 
         async def body(comm: Comm) -> None:
-            await (direct.broadcast if self._is_small(nbytes(buffer)) else ring.broadcast)(comm, buffer, root)
+            if self._is_small(nbytes(buffer)):
+                await direct.broadcast(comm, buffer, root)
+            elif self._site_aware:
+                await hierarchical.broadcast(comm, self.site_map, buffer, root)
+            else:
+                await ring.broadcast(comm, buffer, root)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
