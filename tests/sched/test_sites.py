@@ -17,14 +17,6 @@ def test_cells_are_ranks_of_one_site_in_rank_order_listed_by_lowest_rank():
 def test_one_site_does_not_span_sites():
     single = SiteMap(["lab"] * 3)
     assert not single.spans_sites and single.cells == {"lab": (0, 1, 2)}
-    assert single.peers(1) == {}
-
-
-def test_members_pair_with_the_same_local_dp_rank_in_other_sites():
-    sites = SiteMap(["a", "a", "a", "b", "c", "c"])  # 3 + 1 + 2
-    assert sites.peers(0) == {"b": 3, "c": 4}
-    assert sites.peers(2) == {"b": None, "c": None}
-    assert sites.peers(5) == {"a": 1, "b": None}
 
 
 def test_subgroup_keeps_each_ranks_site():

@@ -85,15 +85,6 @@ class SiteMap:
         """Rank ``rank``'s LocalDPRank: its index in its cell."""
         return self._local[self._check(rank)]
 
-    def peers(self, rank: int) -> dict[str, int | None]:
-        """For each other site, the member with ``rank``'s LocalDPRank (None where that cell is smaller).
-
-        Hierarchical collectives pair members this way so that every member's WAN link carries a share.
-        """
-        local = self.local_rank(rank)
-        return {site: (ranks[local] if local < len(ranks) else None)
-                for site, ranks in self.cells.items() if site != self.site(rank)}
-
     def subgroup(self, ranks: Sequence[int]) -> "SiteMap":
         """The map of a subgroup made of these ranks (its rank i is ``ranks[i]`` here)."""
         return SiteMap([self.site(rank) for rank in ranks])
