@@ -101,12 +101,5 @@ def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
     assert cycles(graph) == [["pkg.high", "pkg.sub.low"]]
 
 
-KNOWN_CYCLES: list[list[str]] = [
-    # issue 13: the c10d restructuring removes this one (mesh imports ``wanlink`` for connect/serve,
-    # backend and process_group import each other); delete the entry with it.
-    ["wanlink", "wanlink.c10d._register", "wanlink.c10d.backend", "wanlink.c10d.mesh", "wanlink.c10d.process_group"],
-]
-
-
 def test_no_import_cycles_in_wanlink():
-    assert [cycle for cycle in cycles(import_graph()) if cycle not in KNOWN_CYCLES] == []
+    assert cycles(import_graph()) == []

@@ -2,7 +2,11 @@
 
 Public API: ``connect``, ``serve``, ``stats`` and the error tree in ``wanlink.errors``.
 Importing wanlink is cheap: the transport and torch pieces load on first use.
+Log records go to the ``wanlink`` logger tree (``wanlink.io.link``, ``wanlink.c10d.mesh``, ...),
+which has a NullHandler: configure logging to see them; messages carry no prefix of their own.
 """
+import logging
+
 from wanlink.errors import (
     AuthenticationError,
     ConfigError,
@@ -21,7 +25,8 @@ from wanlink.errors import (
 
 from wanlink.c10d._register import install as _install_torch_backend
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 _install_torch_backend()  # registers backend "wanlink" with torch.distributed, now or once it is imported
 
 _LAZY = {

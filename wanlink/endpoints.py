@@ -109,7 +109,7 @@ async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, s
         return DEFAULT_STREAMS, None  # no window-limited path to measure
     result = await choose_streams(host, port, secret=secret, congestion=congestion, sock_buffer=sock_buffer,
                                   timeout=timeout, settings=settings)
-    log.info("wanlink: probed %s:%s: %d streams, %.0f Mbit/s, RTT %.1f ms, chunk %d KiB (%s)", host, port,
+    log.info("probed %s:%s: %d streams, %.0f Mbit/s, RTT %.1f ms, chunk %d KiB (%s)", host, port,
              result.streams, 8 * result.rate / 1e6, 1e3 * result.rtt_s, result.chunk_size // 1024, result.reason)
     return result.streams, result.chunk_size
 

@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from netns_helpers import needs_netns
 
 from bench.wanem.netns import Link
 from bench.wanem.sites import WanSites
+from tests.support.netns import needs_netns
 
 # Receiver: prints its port, takes one connection, reads to EOF, prints bytes and the
 # CLOCK_MONOTONIC times of the first and last byte (one clock for every namespace of a host).

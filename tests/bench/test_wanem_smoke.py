@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from netns_helpers import needs_netns
 
 from bench.wanem import WanemError, WanPath, build, check_environment
+from tests.support.netns import needs_netns
 
 RTT_MS = 20.0
 

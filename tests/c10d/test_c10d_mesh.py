@@ -2,7 +2,7 @@
 import torch
 import torch.distributed as dist
 
-from tests.c10d.c10d_worlds import run_world
+from tests.support.worlds import run_world
 
 
 def link_families(rank, size):

@@ -3,8 +3,8 @@ uneven and interleaved site layouts, bit-identical on every rank, and every memb
 carries its share."""
 import pytest
 import torch
-from test_c10d_algorithms import data, reference, run_members
 
+from tests.support.memory_comm import data, reference, run_members
 from wanlink.collectives import hierarchical
 from wanlink.collectives.reduce_ops import reducer_for
 from wanlink.errors import ConfigError

@@ -2,13 +2,13 @@
 import pytest
 
 from wanlink.errors import LimitExceeded, LocalProtocolError, MessageSizeError, RemoteProtocolError
-from wanlink.proto.frames import FrameType, Header
+from wanlink.proto.frames import FLAG_EAGER, FrameType, Header
 from wanlink.proto.limits import Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Reassembler
 
 
 def chunk(tag, seq, total, offset, length):
-    return Header(FrameType.DATA, 0, tag, seq, total, offset, length, length, 0)
+    return Header(FrameType.DATA, FLAG_EAGER, tag, seq, total, offset, length, length, 0)
 
 
 def deliver(r: Reassembler, header: Header, data: bytes):

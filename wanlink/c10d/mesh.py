@@ -99,7 +99,8 @@ def _store_get(store: dist.Store, key: str, timeout: timedelta) -> bytes:
     try:
         store.wait([key], timeout)
     except RuntimeError as error:  # torch reports store timeouts as RuntimeError/DistStoreError
-        raise DeadlineExceeded(f"wanlink rendezvous: key {key!r} not published within {timeout}") from error
+        raise DeadlineExceeded(f"wanlink rendezvous timed out after {timeout.total_seconds():g} s: "
+                               f"key {key!r} not published") from error
     return store.get(key)
 
 
@@ -112,9 +113,7 @@ class Mesh:
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, settings: Settings):
         self.rank, self.size, self.timeout = rank, size, timeout
-        self.streams, self.chunk_size = settings.streams, settings.chunk_size
-        self.settings = settings
-        self.compress = settings.compress  # lz4 per chunk where it shrinks
+        self.settings = settings  # streams, chunk size, compression (lz4 per chunk where it shrinks), ...
         self.runtime = get_runtime()
         self.secret = shared_secret(store, rank, timeout, settings.secret)
         if rank == 0:
@@ -130,8 +129,8 @@ class Mesh:
         bind, advertised = advertised_address(store, settings)
         host_key = same_host_key() if settings.unix else ""
         self.server = self.runtime.run(
-            serve(bind, 0, secret=self.secret, on_link=self._on_link, compress=self.compress,
-                  chunk_size=self.chunk_size, unix=bool(host_key), settings=settings),
+            serve(bind, 0, secret=self.secret, on_link=self._on_link, compress=settings.compress,
+                  unix=bool(host_key), settings=settings),
             timeout.total_seconds())
         try:
             self._rendezvous(store, advertised, host_key)
@@ -161,8 +160,8 @@ class Mesh:
             self.runtime.run(self._link_all(), timeout.total_seconds())
         except DeadlineExceeded:
             missing = sorted(peer for peer, slot in self._links.items() if not slot.done())
-            raise DeadlineExceeded(f"wanlink rendezvous: rank {rank} has no link to rank(s) {missing} "
-                                   f"after {timeout}") from None
+            raise DeadlineExceeded(f"wanlink rendezvous timed out after {timeout.total_seconds():g} s: "
+                                   f"rank {rank} has no link to rank(s) {missing}") from None
 
     async def _link_all(self) -> None:
         """Make every link now, so a peer that is missing or dies later is noticed by its link."""
@@ -192,12 +191,9 @@ class Mesh:
     async def _connect(self, peer: int, slot: asyncio.Future) -> None:
         host, port = self.addresses[peer]
         try:
-            link = await connect(host, port, streams=None if self.streams == "auto" else self.streams,
-                                 secret=self.secret,
-                                 meta={"rank": self.rank, "world": self.world},
-                                 timeout=self.timeout.total_seconds(), compress=self.compress,
-                                 chunk_size=self.chunk_size, unix_name=self.unix_names.get(peer),
-                                 settings=self.settings)
+            link = await connect(host, port, secret=self.secret, meta={"rank": self.rank, "world": self.world},
+                                 timeout=self.timeout.total_seconds(), compress=self.settings.compress,
+                                 unix_name=self.unix_names.get(peer), settings=self.settings)
         except BaseException as error:  # noqa: BLE001 - handed to every waiter
             if not slot.done():
                 slot.set_exception(PeerLost(f"wanlink: cannot connect rank {self.rank} -> rank {peer} "
@@ -212,13 +208,13 @@ class Mesh:
         meta = link.peer_meta or {}
         peer = meta.get("rank")
         if meta.get("world") != self.world or not isinstance(peer, int) or not self.rank < peer < self.size:
-            logger.warning("wanlink: refusing link from %s with meta %r (world %s, rank %d)",
+            logger.warning("refusing link from %s with meta %r (world %s, rank %d)",
                            link.peer, meta, self.world, self.rank)
             await link.close()
             return
         slot = self._slot(peer)
         if slot.done():
-            logger.warning("wanlink: duplicate link from rank %d ignored", peer)
+            logger.warning("duplicate link from rank %d ignored", peer)
             await link.close()
             return
         slot.set_result(link)
@@ -261,7 +257,7 @@ class Mesh:
         try:
             self.runtime.run(self._close(), timeout=10.0)
         except Exception as error:  # noqa: BLE001 - shutting down; nothing to recover
-            logger.debug("wanlink: mesh close: %r", error)
+            logger.debug("mesh close: %r", error)
 
 
 _world_lock = threading.Lock()

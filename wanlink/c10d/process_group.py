@@ -19,8 +19,8 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from wanlink.c10d import tags
-from wanlink.c10d.checks import (check_batch, check_one_per_member, check_tensors, nbytes, reduce_name,
-                                 root_of, root_tensor_list, same_numel, single, split_counts)
+from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse, check_tensors, nbytes,
+                                 reduce_name, root_of, root_tensor_list, same_numel, single, split_counts)
 from wanlink.c10d.deadlines import URGENT, current_deadline
 from wanlink.c10d.debug import VARIES, Fingerprint, check_fingerprint
 from wanlink.c10d.gc_freeze import freeze_gc_once
@@ -28,7 +28,7 @@ from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
-from wanlink.collectives import direct, hierarchical, ring
+from wanlink.collectives import direct, hierarchical, ring, sparse
 from wanlink.collectives.base import Comm, gather_all, split
 from wanlink.collectives.reduce_ops import finish_average, reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
@@ -101,29 +101,34 @@ class ProcessGroupWanlink(ProcessGroup):
     def _comm(self, base_tag: int, deadline: tuple = URGENT) -> LinkComm:
         return LinkComm(self.mesh, self.mesh_ranks, self.group_rank, self.piece_bytes, base_tag, deadline)
 
-    def _deadline_seconds(self, opts=None) -> float:
-        timeout = getattr(opts, "timeout", None)
-        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+    def _timeout_seconds(self, timeout) -> float:
+        """A call's timeout: its own when set (zero included: expires at once), else the group's.
+        torch marks "unset" with a negative timedelta (-1 ms) in its options objects."""
+        if isinstance(timeout, timedelta) and timeout >= timedelta(0):
             return timeout.total_seconds()
         return self.default_timeout.total_seconds()
 
     def _launch(self, op: str, label: str, body: Awaitable, outputs: list, seconds: float,
-                reports_source: bool = False) -> WanlinkWork:
+                comms: Sequence[LinkComm], reports_source: bool = False) -> WanlinkWork:
+        """Submit ``body`` to the I/O loop under a ``seconds`` timeout; its errors name the op and group."""
+        where = f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
+
         async def guarded():
             try:
                 return await asyncio.wait_for(body, seconds)
-            except DeadlineExceeded:  # raised inside the collective: already says what timed out
-                raise
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(
-                    f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size}) "
-                    f"did not finish within {seconds:g} s: a peer is dead, stuck or not calling it") from None
+            except asyncio.TimeoutError as error:
+                if isinstance(error, DeadlineExceeded):  # from inside the algorithm: it says whom it missed
+                    raise DeadlineExceeded(f"{where}: {error}") from None
+                waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
+                    [rank for rank in range(self.group_size) if rank != self.group_rank]
+                raise DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
+                                       f"dead, stuck or not calling it") from None
             except PeerLost as error:
-                raise PeerLost(f"wanlink {label} (group {self.label!r}, rank {self.group_rank}): {error}") from error
+                raise PeerLost(f"{where}: {error}") from error
 
         traced = torch.autograd._profiler_enabled()  # a range costs ~5 us and a GIL hand-off: only when traced
         with torch.profiler.record_function(f"wanlink:{op}") if traced else contextlib.nullcontext():
-            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source)
+            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source, where)
 
     def _collective(self, op: str, fingerprint: tuple, body: Callable[..., Awaitable[None]],
                     staging: Staging, outputs: list, opts=None, parts: int = 1) -> WanlinkWork:
@@ -135,9 +140,9 @@ class ProcessGroupWanlink(ProcessGroup):
         sequence = self._next_sequence(parts)
         dtype, count, root = fingerprint
         deadline = current_deadline()  # the launching thread's deadline_scope, URGENT outside one
+        comms = [self._comm(tags.collective_tag(self.slot, sequence + k), deadline) for k in range(parts)]
 
         async def run() -> None:
-            comms = [self._comm(tags.collective_tag(self.slot, sequence + k), deadline) for k in range(parts)]
             if self.detail:
                 await check_fingerprint(comms[0], Fingerprint(sequence, op, dtype, count, root), self.label)
             await body(*comms)
@@ -145,7 +150,8 @@ class ProcessGroupWanlink(ProcessGroup):
             for comm in comms:
                 comm.release()  # only on success: after a failure a send may still read its buffer
 
-        return self._launch(op, f"{op} #{sequence}", run(), outputs, self._deadline_seconds(opts))
+        return self._launch(op, f"{op} #{sequence}", run(), outputs,
+                            self._timeout_seconds(getattr(opts, "timeout", None)), comms)
 
     def _is_small(self, size_bytes: int) -> bool:
         return size_bytes <= self.direct_max_bytes
@@ -191,6 +197,8 @@ class ProcessGroupWanlink(ProcessGroup):
         """``dist.all_reduce``."""
         op = "all_reduce"
         tensor = single(op, tensors)
+        if tensor.layout == torch.sparse_coo:
+            return self._sparse_allreduce(op, tensor, opts)
         check_tensors(op, [tensor])
         name = reduce_name(op, opts)
         reducer = reducer_for(name, tensor.dtype, op)
@@ -201,6 +209,18 @@ class ProcessGroupWanlink(ProcessGroup):
             await self._run_allreduce(comm, buffer, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
+
+    def _sparse_allreduce(self, op: str, tensor: torch.Tensor, opts) -> WanlinkWork:
+        """All-reduce of a sparse COO tensor: ``tensor`` becomes the coalesced sum, as with gloo."""
+        check_sparse(op, tensor, opts)
+        local = tensor.detach().coalesce().cpu()
+
+        async def body(comm: Comm) -> None:
+            summed = await sparse.allreduce_coo(comm, local)
+            with torch.no_grad():
+                tensor.copy_(summed)
+
+        return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, Staging(), [tensor], opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """``dist.all_reduce_coalesced``: every tensor in one collective."""
@@ -503,18 +523,18 @@ class ProcessGroupWanlink(ProcessGroup):
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
         """``wanlink.c10d.monitored_barrier`` (torch's ``dist.monitored_barrier`` takes gloo groups only)."""
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 \
-            else self.default_timeout.total_seconds()
+        seconds = self._timeout_seconds(timeout)
         sequence = self._next_sequence()
+        comm = self._comm(tags.collective_tag(self.slot, sequence))
 
         async def body() -> None:
-            comm = self._comm(tags.collective_tag(self.slot, sequence))
             if self.detail:
                 await check_fingerprint(comm, Fingerprint(sequence, "monitored_barrier", None, 0), self.label)
             await direct.monitored_barrier(comm, seconds, wait_all_ranks)
 
-        work = self._launch("monitored_barrier", f"monitored_barrier #{sequence}", body(), [], seconds * 2 + 1)
-        work.wait()
+        # the algorithm times itself (and names the ranks it missed); this bound catches the rest
+        self._launch("monitored_barrier", f"monitored_barrier #{sequence}", body(), [], 2 * seconds + 1,
+                     [comm]).wait()
 
     # -- point to point -----------------------------------------------------------------------
     def _p2p(self, op: str, tensors, peer: int | None, tag: int, sending: bool) -> WanlinkWork:
@@ -546,7 +566,8 @@ class ProcessGroupWanlink(ProcessGroup):
             return source
 
         label = f"{op} {'any rank' if peer is None else f'peer {peer}'} tag {tag}"
-        return self._launch(op, label, body(), list(tensors), self._deadline_seconds(), reports_source=not sending)
+        return self._launch(op, label, body(), list(tensors), self._timeout_seconds(None), [comm],
+                            reports_source=not sending)
 
     def send(self, tensors, dstRank: int, tag: int):  # noqa: N803 - torch's names
         """``dist.send`` / ``dist.isend``."""
@@ -590,5 +611,5 @@ class ProcessGroupWanlink(ProcessGroup):
         try:
             self.mesh.runtime.run(barrier(), timeout=min(SHUTDOWN_DRAIN_SECONDS, self.default_timeout.total_seconds()))
         except Exception as error:  # noqa: BLE001 - peers may be gone already; closing anyway
-            logger.debug("wanlink: shutdown drain of group %r: %r", self.label, error)
+            logger.debug("shutdown drain of group %r: %r", self.label, error)
 

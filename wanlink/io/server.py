@@ -42,15 +42,14 @@ class Server:
         self._pending: dict[bytes, _PendingLink] = {}
         self._handlers: set[asyncio.Task] = set()
         self._probe_links: set[Link] = set()  # probe traffic only: kept here, never shown to on_link
-        self._accept_tasks: list[asyncio.Task] = []
+        self._accept_tasks: dict[socket.socket, asyncio.Task] = {}  # listener -> its accept loop
         self.host, self.port = listener.getsockname()[:2]
         self.rejected_streams = 0
 
     def start(self) -> "Server":
-        for listener in (self._listener, self._unix_listener):
-            if listener is not None:
-                self._accept_tasks.append(self.loop.create_task(self._accept_loop(listener),
-                                                                name=f"wanlink-accept-{self.port}"))
+        for listener in self._listeners():
+            self._accept_tasks[listener] = self.loop.create_task(self._accept_loop(listener),
+                                                                 name=f"wanlink-accept-{self.port}")
         registry.register_server(self)
         return self
 
@@ -59,12 +58,12 @@ class Server:
             try:
                 sock, _address = await self.loop.sock_accept(listener)
             except OSError as exc:  # e.g. EMFILE: keep serving once descriptors free up
-                log.error("wanlink: accept on port %d failed: %s", self.port, exc)
+                log.error("accept on port %d failed: %s", self.port, exc)
                 await asyncio.sleep(0.1)
                 continue
             if len(self._handlers) >= self._limits.max_handshakes:
                 self.rejected_streams += 1
-                log.warning("wanlink: refused a connection: %d handshakes already in progress (max_handshakes)",
+                log.warning("refused a connection: %d handshakes already in progress (max_handshakes)",
                             len(self._handlers))
                 close_quietly(sock)
                 continue
@@ -86,7 +85,7 @@ class Server:
                 accepted = await self._handshake(sock, prefix, peer)
         except (WanlinkError, OSError, TimeoutError) as exc:
             self.rejected_streams += 1
-            log.warning("wanlink: rejected stream from %s: %s", peer, _describe(exc))
+            log.warning("rejected stream from %s: %s", peer, _describe(exc))
             close_quietly(sock)
             return
         except BaseException:
@@ -148,7 +147,7 @@ class Server:
         pending = self._pending.pop(link_id, None)
         if pending is None:
             return
-        log.warning("wanlink: dropped a link from %s: %d of %d streams arrived within %g s",
+        log.warning("dropped a link from %s: %d of %d streams arrived within %g s",
                     pending.peer or "?", len(pending.socks), pending.count, self._timeout)
         for sock in pending.socks.values():
             close_quietly(sock)
@@ -168,15 +167,23 @@ class Server:
             if inspect.isawaitable(result):
                 await result
         except Exception as exc:  # noqa: BLE001 - a failing callback must not take the server down
-            log.error("wanlink: on_link callback failed for %s: %r; closing that link", link.name, exc)
+            log.error("on_link callback failed for %s: %r; closing that link", link.name, exc)
             await link.close()
+
+    def _listeners(self) -> list[socket.socket]:
+        return [listener for listener in (self._listener, self._unix_listener) if listener is not None]
 
     def close(self) -> None:
         """Stop accepting and drop half-open links and handshakes in progress."""
-        for task in self._accept_tasks:
-            task.cancel()
+        for listener in self._listeners():
+            task = self._accept_tasks.get(listener)
+            if task is None or task.done():
+                close_quietly(listener)
+            else:  # closed once its pending accept ended: a descriptor closed under it breaks the loop's bookkeeping
+                task.cancel()
+                task.add_done_callback(lambda _task, listener=listener: close_quietly(listener))
         for task in list(self._handlers):
-            task.cancel()
+            task.cancel()  # each handler closes its own socket once it has ended
         for probe in self._probe_links:
             probe.fail(PeerLost("server closed"))
         self._probe_links.clear()
@@ -185,13 +192,10 @@ class Server:
             pending.expiry.cancel()
             for sock in pending.socks.values():
                 close_quietly(sock)
-        close_quietly(self._listener)
-        if self._unix_listener is not None:
-            close_quietly(self._unix_listener)
         registry.unregister_server(self)
 
     async def wait_closed(self) -> None:
-        tasks = [*self._accept_tasks, *self._handlers]
+        tasks = [*self._accept_tasks.values(), *self._handlers]
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def __aenter__(self):
@@ -233,7 +237,7 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
     key = normalize_secret(secret)
     chunk_size_from(chunk_size)  # a bad size fails now, not at each link
     if not key:
-        log.warning("wanlink: serving on %s:%s without authentication (empty secret)", host, port)
+        log.warning("serving on %s:%s without authentication (empty secret)", host, port)
     try:
         listener = socket.create_server((host, port), backlog=backlog)
     except OSError as exc:

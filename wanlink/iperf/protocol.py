@@ -12,8 +12,9 @@ The wire, as iperf3 speaks it on its control connection:
   some servers send only the first and close).
 
 ``ControlConnection`` turns received bytes into events and events into bytes; it never touches a
-socket. Every length is checked against a bound before anything is buffered, and any violation
-raises ``wanlink.errors.ProtocolError`` (``LimitExceeded`` for bounds).
+socket. Every length is checked against a bound before anything is buffered. Whatever the peer
+sent wrong raises ``RemoteProtocolError`` (``LimitExceeded`` for bounds); sending what the protocol
+does not allow now, or a message over its bound, raises ``LocalProtocolError`` (a bug on this side).
 
 wanlink extension (invisible to stock iperf3): a client that puts ``"wanlink": {...}`` in its
 parameters may be answered with state ``WANLINK_ACCEPT`` (77) followed by a length-prefixed JSON
@@ -26,14 +27,15 @@ import enum
 import json
 import secrets
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Union
 
-from wanlink.errors import LimitExceeded, ProtocolError, WanlinkError
+from wanlink.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 
 COOKIE_SIZE = 37
 COOKIE_ALPHABET = b"abcdefghijklmnopqrstuvwxyz234567"
 WANLINK_MAGIC = b"WLK1"  # first bytes of a wanlink handshake; never the start of an iperf3 cookie
+COOKIE_META_KEY = "iperf_cookie"  # a test Link's meta names its control connection's cookie under this key
 MAX_PARAMS_JSON = 8 * 1024  # iperf3's MAX_PARAMS_JSON_STRING
 MAX_RESULTS_JSON = 1024 * 1024  # iperf3 itself does not bound results; we do
 MAX_STREAMS = 128  # iperf3's MAX_STREAMS (per direction)
@@ -68,10 +70,6 @@ class State(enum.IntEnum):
 class Role(enum.Enum):
     CLIENT = "client"
     SERVER = "server"
-
-
-class UsageError(WanlinkError, RuntimeError):
-    """This side tried to send something the protocol does not allow now (a local bug)."""
 
 
 # ----------------------------------------------------------------------------- events
@@ -141,10 +139,10 @@ def make_cookie() -> bytes:
 def check_cookie(cookie: bytes) -> bytes:
     """Validate a received cookie (37 bytes, printable ASCII, NUL-terminated); return it."""
     if len(cookie) != COOKIE_SIZE:
-        raise ProtocolError(f"iperf3 cookie must be {COOKIE_SIZE} bytes, got {len(cookie)}")
+        raise RemoteProtocolError(f"iperf3 cookie must be {COOKIE_SIZE} bytes, got {len(cookie)}")
     body, end = cookie[:-1], cookie[-1]
     if end != 0 or any(not 0x21 <= b <= 0x7E for b in body):
-        raise ProtocolError("iperf3 cookie is not 36 printable characters and a NUL")
+        raise RemoteProtocolError("iperf3 cookie is not 36 printable characters and a NUL")
     return bytes(cookie)
 
 
@@ -157,9 +155,9 @@ def _decode_json(payload: bytes, what: str) -> dict:
     try:
         value = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ProtocolError(f"malformed iperf3 {what} JSON: {exc}") from None
+        raise RemoteProtocolError(f"malformed iperf3 {what} JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ProtocolError(f"iperf3 {what} JSON must be an object, got {type(value).__name__}")
+        raise RemoteProtocolError(f"iperf3 {what} JSON must be an object, got {type(value).__name__}")
     return value
 
 
@@ -167,7 +165,7 @@ def encode_json(obj: dict, limit: int = MAX_RESULTS_JSON, what: str = "message")
     """Length-prefixed compact JSON, as iperf3's ``JSON_write``."""
     body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
     if len(body) > limit:
-        raise LimitExceeded(f"iperf3 {what} JSON bytes", len(body), limit)
+        raise LocalProtocolError(f"iperf3 {what} JSON: {len(body)} bytes > {limit}, the most the protocol carries")
     return _LEN.pack(len(body)) + body
 
 
@@ -195,7 +193,7 @@ class ControlConnection:
     # ------------------------------------------------------------------ receiving
     def receive_data(self, data: bytes) -> None:
         if self._eof and data:
-            raise UsageError("receive_data after end of stream")
+            raise LocalProtocolError("receive_data after end of stream")
         if not data:
             self._eof = True
             return
@@ -227,7 +225,7 @@ class ControlConnection:
                 self._expect = "done"
                 return ServerError(self._pending_errno)
             if self._buf:
-                raise ProtocolError(f"iperf3 peer closed in the middle of a message ({len(self._buf)} bytes left)")
+                raise RemoteProtocolError(f"iperf3 peer closed in the middle of a message ({len(self._buf)} bytes left)")
             self._closed_reported = True
             return ConnectionClosed()
         return NEED_DATA
@@ -248,7 +246,7 @@ class ControlConnection:
             (size,) = _LEN.unpack_from(self._buf)
             limit = self.max_params if kind == "params" else self.max_results
             if size == 0:
-                raise ProtocolError(f"iperf3 {kind} JSON has length 0")
+                raise RemoteProtocolError(f"iperf3 {kind} JSON has length 0")
             if size > limit:
                 raise LimitExceeded(f"iperf3 {kind} JSON bytes", size, limit)
             if len(self._buf) < _LEN.size + size:
@@ -274,7 +272,7 @@ class ControlConnection:
             return ServerError(self._pending_errno, value)
         if expect == "done":
             if self._buf:
-                raise ProtocolError(f"iperf3 peer sent {len(self._buf)} bytes after the end of the test")
+                raise RemoteProtocolError(f"iperf3 peer sent {len(self._buf)} bytes after the end of the test")
             return NEED_DATA
         raw = self._take(1)
         if raw is None:
@@ -285,12 +283,12 @@ class ControlConnection:
         try:
             state = State(value)
         except ValueError:
-            raise ProtocolError(f"unknown iperf3 state {value}") from None
+            raise RemoteProtocolError(f"unknown iperf3 state {value}") from None
         if self.role is Role.CLIENT:
             allowed = _CLIENT_MAY_RECEIVE.get(self.last_received, set())
             if state not in allowed:
                 prev = self.last_received.name if self.last_received is not None else "start"
-                raise ProtocolError(f"iperf3 server sent {state.name} after {prev}")
+                raise RemoteProtocolError(f"iperf3 server sent {state.name} after {prev}")
             self.last_received = state
             if state is State.SERVER_ERROR:
                 self._expect = "errno"
@@ -304,13 +302,13 @@ class ControlConnection:
             return StateChange(state)
         # server side: states from the client
         if self.last_sent is None or self.last_sent is State.SERVER_ERROR:
-            raise ProtocolError(f"iperf3 client sent {state.name} before the parameter exchange")
+            raise RemoteProtocolError(f"iperf3 client sent {state.name} before the parameter exchange")
         if state is State.TEST_END and self.last_sent in (State.TEST_START, State.TEST_RUNNING):
             pass
         elif state is State.IPERF_DONE or state is State.CLIENT_TERMINATE:
             self._expect = "done"
         else:
-            raise ProtocolError(f"iperf3 client sent {state.name} after server state {self.last_sent.name}")
+            raise RemoteProtocolError(f"iperf3 client sent {state.name} after server state {self.last_sent.name}")
         self.last_received = state
         return StateChange(state)
 
@@ -319,19 +317,22 @@ class ControlConnection:
         """Bytes to put on the wire for ``event`` (checked against the protocol)."""
         if isinstance(event, Cookie):
             if self.role is not Role.CLIENT or self.cookie is not None:
-                raise UsageError("only the client sends the cookie, once")
-            self.cookie = check_cookie(event.value)
+                raise LocalProtocolError("only the client sends the cookie, once")
+            try:
+                self.cookie = check_cookie(event.value)
+            except RemoteProtocolError as exc:
+                raise LocalProtocolError(f"cannot send this cookie: {exc}") from None
             return self.cookie
         if isinstance(event, StateChange):
             return self._send_state(State(event.state))
         if isinstance(event, Parameters):
             if self.role is not Role.CLIENT or self.last_received is not State.PARAM_EXCHANGE:
-                raise UsageError("parameters are sent by the client after PARAM_EXCHANGE")
+                raise LocalProtocolError("parameters are sent by the client after PARAM_EXCHANGE")
             return encode_json(event.params, self.max_params, "params")
         if isinstance(event, Results):
             state = self.last_received if self.role is Role.CLIENT else self.last_sent
             if state is not State.EXCHANGE_RESULTS:
-                raise UsageError("results are sent after EXCHANGE_RESULTS")
+                raise LocalProtocolError("results are sent after EXCHANGE_RESULTS")
             return encode_json(event.results, self.max_results, "results")
         if isinstance(event, WanlinkAccept):
             head = self._send_state(State.WANLINK_ACCEPT)
@@ -340,16 +341,16 @@ class ControlConnection:
             head = self._send_state(State.SERVER_ERROR)
             tail = _ERRNO.pack(event.i_errno) + (_ERRNO.pack(event.errno) if event.errno is not None else b"")
             return head + tail
-        raise UsageError(f"cannot send {event!r}")
+        raise LocalProtocolError(f"cannot send {event!r}")
 
     def _send_state(self, state: State) -> bytes:
         if self.role is Role.SERVER:
             if self.cookie is None:
-                raise UsageError("the server sends states only after reading the cookie")
+                raise LocalProtocolError("the server sends states only after reading the cookie")
             allowed = _SERVER_MAY_SEND.get(self.last_sent, set())
             if state not in allowed:
                 prev = self.last_sent.name if self.last_sent is not None else "start"
-                raise UsageError(f"server may not send {state.name} after {prev}")
+                raise LocalProtocolError(f"server may not send {state.name} after {prev}")
             self.last_sent = state
             if state is State.PARAM_EXCHANGE:
                 self._expect = "json:params"
@@ -357,201 +358,10 @@ class ControlConnection:
                 self._expect = "json:results"
             return struct.pack("b", state)
         if state not in (State.TEST_END, State.IPERF_DONE, State.CLIENT_TERMINATE):
-            raise UsageError(f"client may not send {state.name}")
+            raise LocalProtocolError(f"client may not send {state.name}")
         if self.cookie is None:
-            raise UsageError("the client sends the cookie first")
+            raise LocalProtocolError("the client sends the cookie first")
         if state is State.TEST_END and self.last_received is not State.TEST_RUNNING:
-            raise UsageError("TEST_END is sent while the test is running")
+            raise LocalProtocolError("TEST_END is sent while the test is running")
         self.last_sent = state
         return struct.pack("b", state)
-
-
-# ----------------------------------------------------------------------------- typed messages
-def _get_int(obj: dict, key: str, default: int, lo: int, hi: int) -> int:
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ProtocolError(f"iperf3 field {key!r} must be a number, got {value!r}")
-    if not lo <= value <= hi:
-        raise ProtocolError(f"iperf3 field {key!r}={value!r} is outside [{lo}, {hi}]")
-    return int(value)
-
-
-def _get_float(obj: dict, key: str, default: float = 0.0) -> float:
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ProtocolError(f"iperf3 field {key!r} must be a number, got {value!r}")
-    return float(value)
-
-
-def _get_str(obj: dict, key: str, limit: int = 256) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or len(value) > limit:
-        raise ProtocolError(f"iperf3 field {key!r} must be a string of at most {limit} characters")
-    return value
-
-
-@dataclass
-class TestParameters:
-    """The client's parameters of a TCP test (fields named after iperf3's JSON keys)."""
-
-    __test__ = False  # not a pytest test class
-
-    time: int = 10
-    num: int = 0  # bytes to transfer (-n); 0 = time-limited
-    blockcount: int = 0
-    parallel: int = 1
-    len: int = DEFAULT_BLOCKSIZE
-    reverse: bool = False
-    bidirectional: bool = False
-    window: int = 0
-    omit: int = 0
-    congestion: str | None = None
-    nodelay: bool = False
-    mss: int = 0
-    client_version: str | None = None
-    wanlink: dict | None = None  # extension: present when the client speaks wanlink
-
-    def to_json(self) -> dict:
-        out: dict[str, Any] = {"tcp": True, "omit": self.omit, "time": self.time, "num": self.num,
-                               "blockcount": self.blockcount, "parallel": self.parallel, "len": self.len}
-        if self.reverse:
-            out["reverse"] = True
-        if self.bidirectional:
-            out["bidirectional"] = True
-        if self.window:
-            out["window"] = self.window
-        if self.congestion:
-            out["congestion"] = self.congestion
-        if self.nodelay:
-            out["nodelay"] = True
-        if self.mss:
-            out["MSS"] = self.mss
-        if self.wanlink is not None:
-            out["wanlink"] = self.wanlink
-        out["client_version"] = self.client_version or "wanlink-iperf"
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict) -> "TestParameters":
-        """Validate a parameters object; raise ProtocolError (or UnsupportedError for UDP/SCTP)."""
-        from wanlink.errors import UnsupportedError
-
-        if "udp" in obj or "sctp" in obj:
-            raise UnsupportedError("wanlink-iperf serves TCP tests only (the client asked for UDP/SCTP)")
-        wl = obj.get("wanlink")
-        if wl is not None and not isinstance(wl, dict):
-            raise ProtocolError("iperf3 field 'wanlink' must be an object")
-        params = cls(
-            time=_get_int(obj, "time", 10, 0, MAX_TIME),
-            num=_get_int(obj, "num", 0, 0, 2**62),
-            blockcount=_get_int(obj, "blockcount", 0, 0, 2**62),
-            parallel=_get_int(obj, "parallel", 1, 1, MAX_STREAMS),
-            len=_get_int(obj, "len", DEFAULT_BLOCKSIZE, 1, MAX_BLOCKSIZE) or DEFAULT_BLOCKSIZE,
-            reverse="reverse" in obj,
-            bidirectional="bidirectional" in obj,
-            window=_get_int(obj, "window", 0, 0, MAX_WINDOW),
-            omit=_get_int(obj, "omit", 0, 0, MAX_OMIT),
-            congestion=_get_str(obj, "congestion", 16),
-            nodelay="nodelay" in obj,
-            mss=_get_int(obj, "MSS", 0, 0, 32 * 1024 - 1),
-            client_version=_get_str(obj, "client_version", 64),
-            wanlink=wl,
-        )
-        if params.time == 0 and params.num == 0 and params.blockcount == 0:
-            raise ProtocolError("iperf3 parameters set neither a duration nor a byte or block count")
-        return params
-
-
-def _unsigned_minus_one(value: int) -> int:
-    """iperf3 3.x sends an unknown retransmit count as (uint64)-1; map it back to -1."""
-    return -1 if value > 2**63 - 1 else value
-
-
-@dataclass
-class StreamResult:
-    """One stream's entry in the results exchange."""
-
-    id: int
-    bytes: int
-    retransmits: int = -1
-    start_time: float = 0.0
-    end_time: float = 0.0
-    jitter: float = 0.0
-    errors: int = 0
-    packets: int = 0
-
-
-@dataclass
-class TestResults:
-    """One side's results (iperf3's ``send_results``/``get_results``)."""
-
-    __test__ = False
-
-    streams: list[StreamResult] = field(default_factory=list)
-    cpu_util_total: float = 0.0
-    cpu_util_user: float = 0.0
-    cpu_util_system: float = 0.0
-    sender_has_retransmits: int = -1
-    congestion_used: str | None = None
-    extra: dict = field(default_factory=dict)  # e.g. the wanlink section
-
-    def to_json(self) -> dict:
-        out: dict[str, Any] = {
-            "cpu_util_total": self.cpu_util_total, "cpu_util_user": self.cpu_util_user,
-            "cpu_util_system": self.cpu_util_system, "sender_has_retransmits": self.sender_has_retransmits,
-        }
-        if self.congestion_used:
-            out["congestion_used"] = self.congestion_used
-        out["streams"] = [
-            {"id": s.id, "bytes": s.bytes, "retransmits": s.retransmits, "jitter": s.jitter, "errors": s.errors,
-             "packets": s.packets, "start_time": s.start_time, "end_time": s.end_time}
-            for s in self.streams
-        ]
-        out.update(self.extra)
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict) -> "TestResults":
-        for key in ("cpu_util_total", "cpu_util_user", "cpu_util_system", "sender_has_retransmits", "streams"):
-            if key not in obj:
-                raise ProtocolError(f"iperf3 results lack {key!r}")
-        raw_streams = obj["streams"]
-        if not isinstance(raw_streams, list) or len(raw_streams) > 2 * MAX_STREAMS:
-            raise ProtocolError(f"iperf3 results 'streams' must be a list of at most {2 * MAX_STREAMS}")
-        streams = []
-        for item in raw_streams:
-            if not isinstance(item, dict):
-                raise ProtocolError("iperf3 results stream entry must be an object")
-            for key in ("id", "bytes", "retransmits", "jitter", "errors", "packets"):
-                if key not in item:
-                    raise ProtocolError(f"iperf3 results stream entry lacks {key!r}")
-            streams.append(StreamResult(
-                id=_get_int(item, "id", 0, 0, 2**31 - 1), bytes=_get_int(item, "bytes", 0, 0, 2**63 - 1),
-                retransmits=_unsigned_minus_one(_get_int(item, "retransmits", -1, -1, 2**64 - 1)),
-                jitter=_get_float(item, "jitter"),
-                errors=_get_int(item, "errors", 0, -2**63, 2**63 - 1),
-                packets=_get_int(item, "packets", 0, -2**63, 2**63 - 1),
-                start_time=_get_float(item, "start_time"), end_time=_get_float(item, "end_time")))
-        extra = {"wanlink": obj["wanlink"]} if isinstance(obj.get("wanlink"), dict) else {}
-        return cls(streams=streams, cpu_util_total=_get_float(obj, "cpu_util_total"),
-                   cpu_util_user=_get_float(obj, "cpu_util_user"),
-                   cpu_util_system=_get_float(obj, "cpu_util_system"),
-                   sender_has_retransmits=_unsigned_minus_one(
-                       _get_int(obj, "sender_has_retransmits", -1, -1, 2**64 - 1)),
-                   congestion_used=_get_str(obj, "congestion_used", 16), extra=extra)
-
-
-# iperf3's i_errno values (iperf_api.h) used in SERVER_ERROR, with their messages.
-IE_DURATION, IE_NUMSTREAMS, IE_BLOCKSIZE, IE_BUFSIZE = 5, 6, 7, 8
-IE_INITTEST, IE_RECVPARAMS, IE_PROTOCOL, IE_SETCONGESTION, IE_STREAMACCEPT = 101, 114, 131, 134, 204
-IPERF_ERRORS = {
-    IE_DURATION: "test duration too long", IE_NUMSTREAMS: "number of parallel streams too large",
-    IE_BLOCKSIZE: "block size too large", IE_BUFSIZE: "socket buffer size too large",
-    IE_INITTEST: "test initialization failed", 102: "unable to start listener for connections",
-    IE_RECVPARAMS: "unable to receive parameters from client", 117: "unable to receive results",
-    120: "the server has terminated", 121: "the server is busy running a test",
-    IE_PROTOCOL: "protocol does not exist", IE_SETCONGESTION: "unable to set TCP_CONGESTION",
-    142: "test authorization failed", IE_STREAMACCEPT: "unable to accept stream connection",
-}

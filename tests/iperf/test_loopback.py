@@ -1,13 +1,15 @@
 """wanlink-iperf client against wanlink-iperf server over loopback: JSON, modes, errors."""
 import asyncio
+import io
 import json
 import socket
 import struct
 
 import pytest
 
-from iperf_helpers import Server, client, client_json, free_port
-from wanlink.probe.iperf3 import State, make_cookie
+from tests.support.iperf import LIMIT, Server, client, client_json, run
+from tests.support.ports import refused_port
+from wanlink.iperf.protocol import State, make_cookie
 
 SECRET = "loopback-secret"
 
@@ -130,9 +132,10 @@ async def test_without_secret_it_runs_unauthenticated_and_says_so(monkeypatch):
 
 @pytest.mark.asyncio
 async def test_unreachable_server():
-    rc, out, err = await client("127.0.0.1", "-p", str(free_port()), "-t", "1")
-    assert rc == 1 and "unable to connect to server 127.0.0.1" in err and "refused" in err
-    rc, out, _ = await client("127.0.0.1", "-p", str(free_port()), "-t", "1", "-J")
+    with refused_port() as port:
+        rc, out, err = await client("127.0.0.1", "-p", str(port), "-t", "1")
+        assert rc == 1 and "unable to connect to server 127.0.0.1" in err and "refused" in err
+        rc, out, _ = await client("127.0.0.1", "-p", str(port), "-t", "1", "-J")
     assert rc == 1 and "unable to connect" in json.loads(out)["error"]
 
 
@@ -142,24 +145,32 @@ async def test_port_in_use():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        from iperf_helpers import run
-        import io
         err = io.StringIO()
         rc = await asyncio.wait_for(run(["-s", "-p", str(port), "-B", "127.0.0.1"], stdout=io.StringIO(),
                                         stderr=err, stop=asyncio.Event()), 10)
     assert rc == 1 and "unable to start listener" in err.getvalue() and "in use" in err.getvalue()
 
 
+async def control_by_hand(port: int) -> socket.socket:
+    """A control connection opened as an iperf3 client would, up to the server's PARAM_EXCHANGE."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, make_cookie())
+        assert await asyncio.wait_for(loop.sock_recv(sock, 1), 10) == struct.pack("b", State.PARAM_EXCHANGE)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 @pytest.mark.asyncio
 async def test_busy_server_answers_access_denied():
     async with Server() as srv:
-        loop = asyncio.get_running_loop()
-        first = socket.socket()
-        first.setblocking(False)
+        first = await control_by_hand(srv.port)
         try:
-            await loop.sock_connect(first, ("127.0.0.1", srv.port))
-            await loop.sock_sendall(first, make_cookie())
-            assert await asyncio.wait_for(loop.sock_recv(first, 1), 10) == struct.pack("b", State.PARAM_EXCHANGE)
             rc, _, err = await client("127.0.0.1", "-p", str(srv.port), "-t", "1")
         finally:
             first.close()
@@ -191,7 +202,8 @@ async def test_one_off_server_exits_after_one_test():
 
 @pytest.mark.asyncio
 async def test_unknown_congestion_control_fails_before_connecting():
-    rc, out, err = await client("127.0.0.1", "-p", str(free_port()), "-t", "1", "-C", "no-such-cc")
+    with refused_port() as port:
+        rc, out, err = await client("127.0.0.1", "-p", str(port), "-t", "1", "-C", "no-such-cc")
     assert rc == 1 and "no-such-cc" in err and "Connecting" not in out
 
 
@@ -199,12 +211,8 @@ async def test_unknown_congestion_control_fails_before_connecting():
 async def test_client_vanishing_mid_negotiation_leaves_the_server_serving():
     async with Server() as srv:
         loop = asyncio.get_running_loop()
-        sock = socket.socket()
-        sock.setblocking(False)
+        sock = await control_by_hand(srv.port)
         try:
-            await loop.sock_connect(sock, ("127.0.0.1", srv.port))
-            await loop.sock_sendall(sock, make_cookie())
-            assert await asyncio.wait_for(loop.sock_recv(sock, 1), 10) == b"\x09"  # PARAM_EXCHANGE
             body = json.dumps({"tcp": True, "time": 1, "parallel": 1}).encode()
             await loop.sock_sendall(sock, struct.pack("!I", len(body)) + body)
             assert await asyncio.wait_for(loop.sock_recv(sock, 1), 10) == b"\x0a"  # CREATE_STREAMS
@@ -213,3 +221,78 @@ async def test_client_vanishing_mid_negotiation_leaves_the_server_serving():
         rc, _, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "1", "-t", "0.2", "-i", "0")
     assert rc == 0, err
     assert "unexpectedly closed" in srv.err.getvalue() or "stopped before its streams" in srv.err.getvalue()
+
+
+SENDER_TCP_KEYS = ("max_snd_cwnd", "max_snd_wnd", "max_rtt", "min_rtt", "mean_rtt")
+
+
+def kernel_reports_snd_wnd() -> bool:
+    from wanlink.io.sockets import tcp_info
+
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()) as c:
+        info = tcp_info(c)
+    return info is not None and info.snd_wnd is not None
+
+
+@pytest.mark.asyncio
+async def test_json_names_the_link_sockets_and_their_tcp_info():
+    async with Server() as srv:
+        doc = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.5", "-i", "0.25")
+        rev = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "2", "-R", "-n", "4M", "-i", "0")
+    connected = doc["start"]["connected"]
+    assert len(connected) == 2 and all(c["remote_port"] == srv.port for c in connected)
+    assert {s["socket"] for i in doc["intervals"] for s in i["streams"]} == {c["socket"] for c in connected}
+    rows = [s for i in doc["intervals"] for s in i["streams"] if "retransmits" in s]
+    assert rows and all(s["snd_cwnd"] > 0 and s["rtt"] >= 0 for s in rows)
+    assert all(("snd_wnd" in s) == kernel_reports_snd_wnd() for s in rows)
+    for stream in doc["end"]["streams"]:  # this side sent: its TCP_INFO over the test
+        sender = stream["sender"]
+        assert sender["max_snd_cwnd"] > 0 and sender["min_rtt"] <= sender["mean_rtt"] <= sender["max_rtt"]
+        assert sender["max_snd_wnd"] >= max(s.get("snd_wnd", 0) for s in rows if s["socket"] == sender["socket"])
+    assert len(rev["start"]["connected"]) == 2
+    for stream in rev["end"]["streams"]:  # the server sent: zeros, as iperf3 writes them
+        if "retransmits" in stream["sender"]:
+            assert [stream["sender"][key] for key in SENDER_TCP_KEYS] == [0] * 5
+
+
+@pytest.mark.asyncio
+async def test_rate_format_sets_the_bitrate_unit_on_both_sides():
+    async with Server("-f", "t") as srv:
+        rc, out, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.4", "-i", "0.2", "-f", "K")
+    assert rc == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("[") and " sec " in line]
+    assert rows and all("KBytes/sec" in line for line in rows)
+    server_rows = [line for line in srv.out.getvalue().splitlines() if line.startswith("[") and " sec " in line]
+    assert server_rows and all("Tbits/sec" in line for line in server_rows)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", [("-P", "2"), ("-P", "1", "--no-wanlink")])
+async def test_interrupted_test_leaves_no_sampling_behind(mode):
+    out, err = io.StringIO(), io.StringIO()
+    stop = asyncio.Event()
+    async with Server() as srv:
+        task = asyncio.ensure_future(run(["-c", "127.0.0.1", "-p", str(srv.port), "-t", "60", "-i", "0.1", *mode],
+                                         stdout=out, stderr=err, stop=stop))
+        async with asyncio.timeout(LIMIT):
+            while " sec " not in out.getvalue():  # the test is running
+                await asyncio.sleep(0.02)
+        stop.set()
+        rc = await asyncio.wait_for(task, LIMIT)
+    assert rc == 1 and "interrupt" in err.getvalue()
+    for _ in range(3):
+        await asyncio.sleep(0)  # let cancelled tasks finish
+    samplers = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.startswith("Meter.")]
+    assert samplers == []
+
+
+@pytest.mark.asyncio
+async def test_malformed_setting_is_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("WANLINK_STREAMS", "lots")
+    with refused_port() as port:
+        rc, out, err = await client("127.0.0.1", "-p", str(port), "-t", "1", "-J")
+    assert rc == 1 and "WANLINK_STREAMS" in err and "WANLINK_STREAMS" in json.loads(out)["error"]
+    err = io.StringIO()
+    rc = await asyncio.wait_for(run(["-s", "-p", "0", "-B", "127.0.0.1"], stdout=io.StringIO(), stderr=err,
+                                    stop=asyncio.Event()), LIMIT)
+    assert rc == 1 and "WANLINK_STREAMS" in err.getvalue()

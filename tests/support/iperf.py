@@ -3,18 +3,18 @@ import asyncio
 import io
 import json
 import shutil
-import socket
 
-from wanlink.cli.iperf import run
+from wanlink.iperf.cli import run
 
+# what stock iperf3 3.12 sends: its parameters and its results
+PARAMS = {"tcp": True, "omit": 0, "time": 10, "num": 0, "blockcount": 0, "parallel": 2, "len": 131072,
+          "pacing_timer": 1000, "client_version": "3.12"}
+RESULTS = {"cpu_util_total": 1.5, "cpu_util_user": 0.5, "cpu_util_system": 1.0, "sender_has_retransmits": 1,
+           "congestion_used": "cubic",
+           "streams": [{"id": 1, "bytes": 1000, "retransmits": 3, "jitter": 0, "errors": 0, "packets": 0,
+                        "start_time": 0, "end_time": 10.0}]}
 LIMIT = 60.0  # no test may wait longer than this for one run
 IPERF3 = shutil.which("iperf3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

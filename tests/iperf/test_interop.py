@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from iperf_helpers import IPERF3, LIMIT, Server, client, free_port
+from tests.support.iperf import IPERF3, LIMIT, Server, client, client_json
+from tests.support.ports import unused_port
 
 pytestmark = pytest.mark.skipif(IPERF3 is None, reason="iperf3 is not on PATH (apt-get install iperf3)")
 
@@ -25,7 +26,7 @@ async def stock_server(port: int):
 
 async def run_against_stock(*args):
     """Our client against ``iperf3 -s -1``; returns (our JSON, iperf3's JSON)."""
-    port = free_port()
+    port = unused_port()
     proc = await stock_server(port)
     try:
         for _attempt in range(20):
@@ -95,3 +96,20 @@ async def test_stock_client_against_our_server(args):
     assert again["end"]["sum_received"]["bytes"] > 0
     text = srv.out.getvalue()
     assert text.count("Accepted connection from 127.0.0.1") == 2 and "receiver" in text
+
+
+@pytest.mark.asyncio
+async def test_our_json_has_the_keys_stock_iperf3_writes():
+    """Scripts that read ``iperf3 -J`` find the same keys in ours (wanlink mode, both against our server)."""
+    async with Server() as srv:
+        stock = await stock_client(srv.port, "-t", "1", "-i", "0.5")
+        ours = await client_json("127.0.0.1", "-p", str(srv.port), "-P", "1", "-t", "1", "-i", "0.5")
+
+    def shapes(doc):
+        return {"connected": set(doc["start"]["connected"][0]), "interval": set(doc["intervals"][0]["streams"][0]),
+                "sender": set(doc["end"]["streams"][0]["sender"]), "receiver": set(doc["end"]["streams"][0]["receiver"])}
+
+    assert ours["wanlink"]["mode"] == "wanlink"
+    assert shapes(ours) == shapes(stock)
+    assert {"snd_wnd", "snd_cwnd", "rtt"} <= shapes(ours)["interval"]
+    assert {"max_snd_cwnd", "max_snd_wnd", "max_rtt", "min_rtt", "mean_rtt"} <= shapes(ours)["sender"]

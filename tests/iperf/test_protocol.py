@@ -5,20 +5,14 @@ import struct
 
 import pytest
 
-from wanlink.errors import LimitExceeded, ProtocolError, UnsupportedError
-from wanlink.probe.iperf3 import (
-    COOKIE_SIZE, MAX_PARAMS_JSON, NEED_DATA, ConnectionClosed, ControlConnection, Cookie, Parameters, Results,
-    Role, ServerError, State, StateChange, TestParameters, TestResults, UsageError, WanlinkAccept, check_cookie,
-    encode_json, is_wanlink_prefix, make_cookie,
+from tests.support.iperf import PARAMS, RESULTS
+from wanlink.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
+from wanlink.iperf.protocol import (
+    COOKIE_SIZE, MAX_PARAMS_JSON, NEED_DATA, ConnectionClosed, ControlConnection, Cookie, Parameters, Results, Role,
+    ServerError, State, StateChange, WanlinkAccept, check_cookie, encode_json, is_wanlink_prefix, make_cookie,
 )
 
 COOKIE = b"abcdefghijklmnopqrstuvwxyz2345672345\0"
-PARAMS = {"tcp": True, "omit": 0, "time": 10, "num": 0, "blockcount": 0, "parallel": 2, "len": 131072,
-          "pacing_timer": 1000, "client_version": "3.12"}
-RESULTS = {"cpu_util_total": 1.5, "cpu_util_user": 0.5, "cpu_util_system": 1.0, "sender_has_retransmits": 1,
-           "congestion_used": "cubic",
-           "streams": [{"id": 1, "bytes": 1000, "retransmits": 3, "jitter": 0, "errors": 0, "packets": 0,
-                        "start_time": 0, "end_time": 10.0}]}
 
 
 def events(conn):
@@ -45,11 +39,11 @@ def test_cookie_shape_and_check():
     assert all(chr(b) in "abcdefghijklmnopqrstuvwxyz234567" for b in cookie[:-1])
     assert check_cookie(cookie) == cookie
     assert make_cookie() != cookie
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         check_cookie(cookie[:-1])
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         check_cookie(cookie[:-1] + b"x")
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         check_cookie(b"\x01" + cookie[1:])
 
 
@@ -101,7 +95,7 @@ def test_access_denied_ends_the_client_side():
     client = ControlConnection(Role.CLIENT)
     client.send(Cookie(COOKIE))
     assert feed(client, b"\xff") == [StateChange(State.ACCESS_DENIED)]
-    with pytest.raises(ProtocolError, match="after the end"):
+    with pytest.raises(RemoteProtocolError, match="after the end"):
         feed(client, b"\x09")
 
 
@@ -132,7 +126,7 @@ def test_server_error_encoding_round_trips():
 def test_client_rejects_states_out_of_order(state):
     client = ControlConnection(Role.CLIENT)
     client.send(Cookie(COOKIE))
-    with pytest.raises(ProtocolError, match=state.name):
+    with pytest.raises(RemoteProtocolError, match=state.name):
         feed(client, struct.pack("b", state))
 
 
@@ -140,7 +134,7 @@ def test_client_rejects_states_out_of_order(state):
 def test_unknown_state_byte_is_a_protocol_error(value):
     client = ControlConnection(Role.CLIENT)
     client.send(Cookie(COOKIE))
-    with pytest.raises(ProtocolError, match="unknown iperf3 state"):
+    with pytest.raises(RemoteProtocolError, match="unknown iperf3 state"):
         feed(client, struct.pack("b", value))
 
 
@@ -158,12 +152,12 @@ def test_server_rejects_client_states_out_of_order():
     server.receive_data(client.send(Parameters(PARAMS)))
     events(server)
     server.send(StateChange(State.CREATE_STREAMS))
-    with pytest.raises(ProtocolError, match="TEST_END"):
+    with pytest.raises(RemoteProtocolError, match="TEST_END"):
         feed(server, struct.pack("b", State.TEST_END))  # before TEST_RUNNING
     server2 = ControlConnection(Role.SERVER)
     server2.receive_data(COOKIE)
     events(server2)
-    with pytest.raises(ProtocolError, match="before the parameter exchange"):
+    with pytest.raises(RemoteProtocolError, match="before the parameter exchange"):
         feed(server2, b"\x04")
 
 
@@ -178,7 +172,7 @@ def test_client_terminate_is_accepted_any_time_after_params():
 @pytest.mark.parametrize("size", [0, MAX_PARAMS_JSON + 1, 2**32 - 1])
 def test_json_length_is_bounded_before_buffering(size):
     _client, server = server_after_params()
-    with pytest.raises(ProtocolError) as info:
+    with pytest.raises(RemoteProtocolError) as info:
         feed(server, struct.pack("!I", size))
     if size:
         assert isinstance(info.value, LimitExceeded)
@@ -187,7 +181,7 @@ def test_json_length_is_bounded_before_buffering(size):
 @pytest.mark.parametrize("payload", [b"{", b"[1, 2]", b'"text"', b"\xff\xfe{}", b"[" * 3000 + b"]" * 3000, b"nul"])
 def test_malformed_json_is_a_protocol_error(payload):
     _client, server = server_after_params()
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         feed(server, struct.pack("!I", len(payload)) + payload, step=len(payload) + 4)
 
 
@@ -196,7 +190,7 @@ def test_eof_inside_a_message_is_a_protocol_error():
     server.receive_data(struct.pack("!I", 10) + b"{}")
     assert events(server) == []
     server.receive_data(b"")
-    with pytest.raises(ProtocolError, match="middle of a message"):
+    with pytest.raises(RemoteProtocolError, match="middle of a message"):
         events(server)
 
 
@@ -204,33 +198,35 @@ def test_short_or_bad_cookie_from_client():
     server = ControlConnection(Role.SERVER)
     server.receive_data(COOKIE[:10])
     server.receive_data(b"")
-    with pytest.raises(ProtocolError):
+    with pytest.raises(RemoteProtocolError):
         events(server)
     server = ControlConnection(Role.SERVER)
-    with pytest.raises(ProtocolError, match="cookie"):
+    with pytest.raises(RemoteProtocolError, match="cookie"):
         feed(server, b"WLK1" + bytes(33), step=37)
 
 
-def test_local_misuse_raises_usage_error():
+def test_local_misuse_is_a_local_protocol_error():
     client = ControlConnection(Role.CLIENT)
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         client.send(StateChange(State.TEST_END))  # before the cookie
     client.send(Cookie(COOKIE))
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         client.send(Cookie(COOKIE))
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         client.send(Parameters(PARAMS))  # before PARAM_EXCHANGE
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         client.send(StateChange(State.CREATE_STREAMS))  # a server state
     server = ControlConnection(Role.SERVER)
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         server.send(StateChange(State.PARAM_EXCHANGE))  # before the cookie
     server.receive_data(COOKIE)
     events(server)
-    with pytest.raises(UsageError):
+    with pytest.raises(LocalProtocolError):
         server.send(StateChange(State.TEST_RUNNING))
-    with pytest.raises(LimitExceeded):
-        encode_json({"x": "y" * 100}, limit=50)
+    with pytest.raises(LocalProtocolError, match="50"):
+        encode_json({"x": "y" * 100}, limit=50)  # an outgoing message over its bound
+    with pytest.raises(LocalProtocolError, match="cookie"):
+        ControlConnection(Role.CLIENT).send(Cookie(b"short\0"))
 
 
 def test_buffered_bytes_are_bounded():
@@ -238,57 +234,6 @@ def test_buffered_bytes_are_bounded():
     client.send(Cookie(COOKIE))
     with pytest.raises(LimitExceeded):
         client.receive_data(bytes(1000))
-
-
-# ----------------------------------------------------------------------------- typed messages
-def test_parameters_round_trip_and_defaults():
-    params = TestParameters(time=5, parallel=8, reverse=True, window=1 << 20, congestion="bbr",
-                            wanlink={"version": 1})
-    again = TestParameters.from_json(json.loads(json.dumps(params.to_json())))
-    assert again.time == 5 and again.parallel == 8 and again.reverse and not again.bidirectional
-    assert again.window == 1 << 20 and again.congestion == "bbr" and again.wanlink == {"version": 1}
-    stock = TestParameters.from_json(PARAMS)
-    assert stock.parallel == 2 and stock.len == 131072 and stock.wanlink is None
-
-
-@pytest.mark.parametrize("patch", [
-    {"parallel": 0}, {"parallel": 129}, {"time": -1}, {"time": 86401}, {"len": 2 << 20}, {"parallel": "2"},
-    {"time": True}, {"congestion": 7}, {"congestion": "x" * 17}, {"window": 1 << 40}, {"wanlink": [1]},
-    {"time": 0, "num": 0, "blockcount": 0}, {"time": float("nan")},
-])
-def test_bad_parameters_are_protocol_errors(patch):
-    with pytest.raises(ProtocolError):
-        TestParameters.from_json({**PARAMS, **patch})
-
-
-def test_udp_is_unsupported():
-    with pytest.raises(UnsupportedError):
-        TestParameters.from_json({"udp": True, "time": 1})
-
-
-def test_results_round_trip_and_iperf3_quirks():
-    res = TestResults.from_json(RESULTS)
-    assert res.streams[0].id == 1 and res.streams[0].bytes == 1000 and res.congestion_used == "cubic"
-    assert TestResults.from_json(res.to_json()).to_json() == res.to_json()
-    # iperf3 3.12 sends an unknown count as (uint64)-1
-    quirky = {**RESULTS, "sender_has_retransmits": 2**64 - 1,
-              "streams": [{**RESULTS["streams"][0], "retransmits": 2**64 - 1}]}
-    res = TestResults.from_json(quirky)
-    assert res.sender_has_retransmits == -1 and res.streams[0].retransmits == -1
-
-
-@pytest.mark.parametrize("broken", [
-    {k: v for k, v in RESULTS.items() if k != "streams"},
-    {**RESULTS, "streams": "no"},
-    {**RESULTS, "streams": [1]},
-    {**RESULTS, "streams": [{"id": 1}]},
-    {**RESULTS, "streams": [{**RESULTS["streams"][0], "bytes": -5}]},
-    {**RESULTS, "streams": [RESULTS["streams"][0]] * 257},
-    {**RESULTS, "cpu_util_total": "high"},
-])
-def test_bad_results_are_protocol_errors(broken):
-    with pytest.raises(ProtocolError):
-        TestResults.from_json(broken)
 
 
 # ----------------------------------------------------------------------------- fuzz (bytes only)
@@ -307,7 +252,7 @@ def _drive(role: Role, chunks: list[bytes]) -> None:
         for _ in range(4):
             event = conn.next_event()
             assert event is not NEED_DATA  # after end of stream: events, then ConnectionClosed for good
-    except ProtocolError:
+    except RemoteProtocolError:
         pass
 
 

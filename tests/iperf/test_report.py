@@ -1,8 +1,8 @@
 """iperf3-style report formatting: units, table lines, JSON sums."""
 import pytest
 
-from wanlink.probe.report import (
-    SEPARATOR, StreamSample, StreamTotals, end_json, format_bits, format_bytes, header, interval_json,
+from wanlink.iperf.report import (
+    SEPARATOR, SenderTcpStats, StreamSample, StreamTotals, end_json, format_bits, format_bytes, header, interval_json,
     interval_lines, summary_lines,
 )
 
@@ -68,3 +68,52 @@ def test_end_json_has_iperf3_sums():
     bidir = end_json(totals[:1], local_sender_reverse=totals[1:], cpu={}, sender_congestion=None,
                      receiver_congestion=None)
     assert bidir["sum_sent_bidir_reverse"]["bytes"] == 1000
+
+
+@pytest.mark.parametrize("unit,value,text", [
+    ("k", 50.3e6, "50300 Kbits/sec"), ("m", 50.3e6, "50.3 Mbits/sec"), ("g", 50.3e6, "0.05 Gbits/sec"),
+    ("t", 2.5e12, "2.50 Tbits/sec"), ("K", 6 * 2**20 * 8, "6144 KBytes/sec"), ("M", 6 * 2**20 * 8, "6.00 MBytes/sec"),
+    ("G", 3 * 2**30 * 8, "3.00 GBytes/sec"), ("T", 2**40 * 8, "1.00 TBytes/sec"), ("a", 50.3e6, "50.3 Mbits/sec"),
+])
+def test_rate_format_fixes_the_unit_as_iperf3_f(unit, value, text):
+    # "6144 KBytes/sec" and "50.3 Mbits/sec" are what iperf3 3.12 -f K / -f m print for 6 MBytes in 1 s
+    assert format_bits(value, unit) == text
+
+
+def test_rate_format_applies_to_the_bitrate_column_only():
+    row = interval_lines([sample(5, 6 * 2**20, retr=0, cwnd=1 << 20)], retr=True, unit="K")[0]
+    assert row == "[  5]   0.00-1.00   sec  6.00 MBytes  6144 KBytes/sec    0   1.00 MBytes"
+    totals = [StreamTotals(sent=sample(5, 2**20, retr=0), received=sample(5, 2**20, sender=False))]
+    assert all("Mbits/sec" not in line and "KBytes/sec" in line for line in summary_lines(totals, retr=True, unit="K"))
+
+
+def test_sender_tcp_stats_sum_up_every_sample():
+    stats = SenderTcpStats()
+    assert stats.to_json() == {"max_snd_cwnd": 0, "max_snd_wnd": 0, "max_rtt": 0, "min_rtt": 0, "mean_rtt": 0}
+    stats.add(snd_cwnd=100, snd_wnd=None, rtt=300)
+    stats.add(snd_cwnd=400, snd_wnd=5000, rtt=100)
+    stats.add(snd_cwnd=200, snd_wnd=7000, rtt=201)
+    assert stats.to_json() == {"max_snd_cwnd": 400, "max_snd_wnd": 7000, "max_rtt": 300, "min_rtt": 100,
+                               "mean_rtt": 200}
+
+
+def test_end_json_sender_carries_the_tcp_summary_where_retransmits_are_known():
+    measured = SenderTcpStats()
+    measured.add(snd_cwnd=64000, snd_wnd=128000, rtt=40000)
+    local = StreamTotals(sent=sample(5, 2000, retr=3), received=sample(5, 2000, sender=False), sender_tcp=measured)
+    remote = StreamTotals(sent=sample(5, 2000, retr=1), received=sample(5, 2000, sender=False), local_sender=False)
+    unknown = StreamTotals(sent=sample(5, 2000), received=sample(5, 2000, sender=False))
+    streams = end_json([local, remote, unknown], cpu={}, sender_congestion=None, receiver_congestion=None)["streams"]
+    assert list(streams[0]["sender"])[-7:] == ["retransmits", "max_snd_cwnd", "max_snd_wnd", "max_rtt", "min_rtt",
+                                               "mean_rtt", "sender"]  # iperf3's order
+    assert streams[0]["sender"]["max_snd_cwnd"] == 64000 and streams[0]["sender"]["mean_rtt"] == 40000
+    assert streams[1]["sender"]["max_rtt"] == 0 and streams[1]["sender"]["sender"] is False  # the peer sent it
+    assert "max_rtt" not in streams[2]["sender"] and "max_rtt" not in streams[0]["receiver"]
+
+
+def test_interval_json_reports_the_send_window():
+    row = StreamSample(id=5, start=0.0, end=1.0, bytes=10, sender=True, retransmits=0, snd_cwnd=1000, snd_wnd=65536,
+                       rtt_us=50, rttvar_us=5, pmtu=1500)
+    assert list(row.to_json())[6:] == ["retransmits", "snd_cwnd", "snd_wnd", "rtt", "rttvar", "pmtu", "omitted",
+                                       "sender"]  # iperf3's order
+    assert row.to_json()["snd_wnd"] == 65536

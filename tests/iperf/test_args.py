@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from wanlink.cli.iperf import parse_args, parse_size
+from wanlink.iperf.options import parse_args, parse_size
 
 
 def test_defaults_follow_iperf3():
@@ -42,7 +42,8 @@ def test_bad_sizes(text):
     [], ["-s", "-c", "h"], ["-c", "h", "-R", "--bidir"], ["-c", "h", "-t", "1", "-n", "1M"],
     ["-c", "h", "-P", "0"], ["-c", "h", "-P", "129"], ["-c", "h", "-t", "0"], ["-c", "h", "-t", "100000"],
     ["-c", "h", "-i", "0.01"], ["-c", "h", "-p", "70000"], ["-c", "h", "-p", "0"], ["-c", "h", "-l", "2M"],
-    ["-c", "h", "-w", "1G"], ["-s", "-R"], ["-s", "-P", "2"], ["-c", "h", "-1"], ["-c", "h", "-u"],
+    ["-c", "h", "-w", "1G"], ["-s", "-R"], ["-s", "-P", "2"], ["-c", "h", "-1"], ["-c", "h", "-f", "a"],
+    ["-c", "h", "-f", "x"],
 ])
 def test_refusals_exit_with_status_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
@@ -51,18 +52,35 @@ def test_refusals_exit_with_status_2(argv, capsys):
     assert "wanlink-iperf" in capsys.readouterr().err
 
 
-def test_tcp_info_reads_the_kernel_counters():
-    import socket
+@pytest.mark.parametrize("argv,reason", [
+    (["-c", "h", "-u"], "-u: UDP tests are not supported"), (["-s", "--udp"], "-u: UDP tests are not supported"),
+    (["-c", "h", "-b", "100M"], "-b 100M: pacing to a target bitrate is not supported"),
+])
+def test_udp_and_pacing_are_refused_with_the_reason(argv, reason, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert reason in err and "unrecognized" not in err
 
-    from wanlink.cli.iperf import tcp_info
 
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        with socket.create_connection(listener.getsockname()) as conn:
-            peer, _ = listener.accept()
-            with peer:
-                conn.sendall(b"x" * 100000)
-                info = tcp_info(conn)
-    if info is None:
-        pytest.skip("no TCP_INFO on this platform")
-    assert set(info) == {"retransmits", "snd_cwnd", "rtt", "rttvar", "pmtu"}
-    assert info["retransmits"] == 0 and info["pmtu"] >= 1500 and info["snd_cwnd"] >= info["pmtu"] // 2
+def test_rate_format_and_unlimited_bitrate():
+    assert parse_args(["-c", "h"]).rate_format == "a"
+    assert [parse_args(["-c", "h", "-f", f]).rate_format for f in "kMgT"] == list("kMgT")
+    assert parse_args(["-s", "-f", "G"]).rate_format == "G"
+    assert parse_args(["-c", "h", "-b", "0"]).host == "h"  # iperf3's TCP default: unlimited
+
+
+def test_console_script_and_python_m_reach_main():
+    import importlib
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
+    module, function = re.search(r'^wanlink-iperf = "([\w.]+):(\w+)"$', pyproject, re.M).groups()
+    assert getattr(importlib.import_module(module), function) is importlib.import_module("wanlink.iperf.cli").main
+    done = subprocess.run([sys.executable, "-m", "wanlink.iperf", "-c", "h", "-u"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "UDP tests are not supported" in done.stderr
