@@ -19,7 +19,7 @@ import time
 
 from wanlink.errors import ConfigError
 from wanlink.io.link import DEFAULT_TIMEOUT, Link, check_stream_count, open_link
-from wanlink.io.server import Server, start_server
+from wanlink.io.server import AUTH_TIMEOUT, Server, start_server
 from wanlink.io.sockets import is_loopback, log
 from wanlink.probe.chunk import choose_chunk_size
 from wanlink.probe.ramp import MAX_STREAMS, ProbeResult, StreamRamp
@@ -83,21 +83,23 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
                 timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS, backlog: int = 128,
                 chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
                 compress: bool = False, checksum: bool = False, unix: bool = False,
-                settings: Settings | None = None) -> Server:
+                auth_timeout: float = AUTH_TIMEOUT, settings: Settings | None = None) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
     ``secret`` defaults to WANLINK_SECRET and ``chunk_size`` to WANLINK_CHUNK_SIZE (``settings``
     replaces the environment). ``unix=True`` also listens on an abstract Unix socket
     (``server.unix_name``) for processes of the same host and network namespace: the same
     handshake; sending costs a third less CPU per byte than over TCP loopback
-    (bench/loopback_throughput.py --paths tcp unix).
+    (bench/loopback_throughput.py --paths tcp unix). An accepted connection must authenticate
+    within ``auth_timeout`` seconds; when ``limits.max_handshakes`` connections are authenticating,
+    the oldest is evicted (told BUSY; ``connect`` retries), so idle sockets cannot lock clients out.
     """
     settings = from_env() if settings is None else settings
     return await start_server(host, port, on_link=on_link, secret=resolve_secret(secret, settings),
                               timeout=timeout, limits=limits, backlog=backlog,
                               chunk_size=settings.chunk_size if chunk_size is None else chunk_size,
                               congestion=congestion, sock_buffer=sock_buffer, compress=compress,
-                              checksum=checksum, unix=unix)
+                              checksum=checksum, unix=unix, auth_timeout=auth_timeout)
 
 
 async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, sock_buffer, timeout: float,

@@ -4,9 +4,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import random
 import socket
 
-from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
+from wanlink.errors import (
+    ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, ServerBusy, WanlinkError,
+)
 from wanlink.io import registry
 from wanlink.io.sockets import (
     close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly,
@@ -32,6 +35,7 @@ There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; else
 picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
 ABORT_GRACE_S = 1.0  # how long a failing link tries to deliver its ABORT before closing
+BUSY_BACKOFF_S = (0.02, 1.0)  # a stream the server refused BUSY retries after 20 ms, doubling up to 1 s (jittered)
 _INT64 = (-(2**63), 2**63 - 1)
 _LINK_FAILED = object()  # queued to wake control readers when the link fails
 
@@ -562,7 +566,8 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
 
     Everything is resolved already (``wanlink.connect`` probes the path and reads the settings):
     ``chunk_size`` None is 4 MiB over loopback or Unix sockets, else the transport's default.
-    ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
+    ``timeout`` bounds the connection set-up (a stream the server refuses BUSY is retried with
+    backoff meanwhile) and is the link's silence timeout afterwards.
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
     namespace only); the streams are then Unix sockets.
     """
@@ -575,7 +580,22 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
     link_id = os.urandom(16)
     socks: list[socket.socket | None] = [None] * count
 
+    busy_refusals = 0
+
     async def open_stream(index: int) -> None:
+        nonlocal busy_refusals
+        delay = BUSY_BACKOFF_S[0]
+        while True:
+            try:
+                return await attempt_stream(index)
+            except ServerBusy:
+                busy_refusals += 1
+                close_quietly(socks[index])
+                socks[index] = None
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(2 * delay, BUSY_BACKOFF_S[1])
+
+    async def attempt_stream(index: int) -> None:
         if unix_name is not None:
             family, proto, address, peer_host = socket.AF_UNIX, 0, unix_address(unix_name), None
         else:
@@ -605,7 +625,8 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
             if sock is not None:
                 close_quietly(sock)
         if isinstance(exc, TimeoutError) and not isinstance(exc, DeadlineExceeded):
-            raise DeadlineExceeded(f"connecting to {host}:{port} took more than {timeout:g} s") from None
+            busy = f" (the server answered BUSY {busy_refusals} times)" if busy_refusals else ""
+            raise DeadlineExceeded(f"connecting to {host}:{port} took more than {timeout:g} s{busy}") from None
         if isinstance(exc, OSError) and not isinstance(exc, WanlinkError):
             raise PeerLost(f"cannot connect to {host}:{port}: {exc}") from exc
         raise

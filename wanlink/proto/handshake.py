@@ -20,7 +20,7 @@ import hmac
 import os
 import struct
 
-from wanlink.errors import AuthenticationError, ConfigError, LocalProtocolError, RemoteProtocolError
+from wanlink.errors import AuthenticationError, ConfigError, LocalProtocolError, RemoteProtocolError, ServerBusy
 from wanlink.proto.control import pack_message, unpack_message
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
@@ -39,14 +39,14 @@ class Status(enum.IntEnum):
     OK = 0
     VERSION_MISMATCH = 1
     REJECTED = 2  # bad proof
-    BUSY = 3  # too many half-open links
+    BUSY = 3  # too many connections authenticating or half-open links: retry later
     BAD_STREAM = 4  # stream index/count inconsistent with the link
 
 
 _STATUS_TEXT = {
     Status.VERSION_MISMATCH: "protocol version mismatch",
     Status.REJECTED: "authentication failed (wrong secret?)",
-    Status.BUSY: "server busy: too many half-open links",
+    Status.BUSY: "server busy: too many connections authenticating or half-open links",
     Status.BAD_STREAM: "stream index/count inconsistent with the link",
 }
 
@@ -127,6 +127,8 @@ def _raise_for_status(status: int) -> None:
         raise RemoteProtocolError(f"unknown handshake status {status}") from None
     if status == Status.REJECTED:
         raise AuthenticationError(f"server rejected the stream: {text}")
+    if status == Status.BUSY:
+        raise ServerBusy(f"server rejected the stream: {text}")
     raise RemoteProtocolError(f"server rejected the stream: {text}")
 
 
@@ -181,6 +183,14 @@ class ServerHandshake:
         """A CHALLENGE carrying an error status, to send before closing the stream."""
         self._state = "failed"
         return CHALLENGE.pack(MAGIC, VERSION, status, bytes(NONCE_SIZE), bytes(32))
+
+    def busy_reply(self) -> bytes:
+        """What tells the client BUSY at this point: a CHALLENGE carrying it before the server sent
+        its own CHALLENGE, the RESULT byte after."""
+        if self._state in ("hello", "meta"):
+            return self.reject(Status.BUSY)
+        self._state = "failed"
+        return bytes([Status.BUSY])
 
     def _on_hello_fixed(self, data: bytes) -> bytes:
         magic, version, flags, link_id, index, count, _nonce, meta_len = HELLO.unpack(data)
