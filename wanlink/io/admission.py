@@ -114,7 +114,8 @@ class RejectionLog:
             self._timer = None
             return
         count = sum(self._reasons.values())
-        reasons = "; ".join(f"{n} {reason}" + (f" (latest: {self._examples[reason]})" if reason in self._examples else "")
+        examples = self._examples
+        reasons = "; ".join(f"{n} {reason}" + (f" (latest: {examples[reason]})" if reason in examples else "")
                             for reason, n in self._reasons.most_common())
         sources = ", ".join(f"{host} ({n})" for host, n in self._hosts.most_common(3))
         noun = "connection" if count == 1 else "connections"
