@@ -99,6 +99,9 @@ VARIABLES: tuple[Variable, ...] = (
              "address this rank advertises to its peers"),
     Variable("WANLINK_BIND", "bind", _optional_text, "derived from the Store (0.0.0.0 or 127.0.0.1)",
              "address this rank's server binds"),
+    Variable("WANLINK_SECURE", "secure", _flag, "0",
+             "1: every frame encrypted and authenticated (AES-256-GCM, keys from the secret); "
+             "a secure server refuses plaintext clients"),
     Variable("WANLINK_COMPRESS", "compress", _flag, "0",
              "1: lz4 per chunk, sent compressed only where that shrinks it"),
     Variable("WANLINK_DIRECT_MAX_BYTES", "direct_max_bytes", _non_negative, "262144",
@@ -122,6 +125,7 @@ class Settings:
     unix: bool = True
     addr: str | None = None
     bind: str | None = None
+    secure: bool = False
     compress: bool = False
     direct_max_bytes: int = 256 * 1024
     piece_bytes: int = 4 * 1024 * 1024

@@ -6,13 +6,16 @@ import dataclasses
 import inspect
 import socket
 
-from wanlink.errors import AuthenticationError, LocalProtocolError, PeerLost, RemoteProtocolError, WanlinkError
+from wanlink.errors import (
+    AuthenticationError, ConfigError, LocalProtocolError, PeerLost, RemoteProtocolError, WanlinkError,
+)
 from wanlink.io import registry
 from wanlink.io.admission import HandshakeTable, RejectionLog
 from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly, unix_listener
 from wanlink.proto.handshake import PROBE_META_KEY, ServerHandshake, Status, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+from wanlink.proto.seal import stream_keys
 from wanlink.sched.chunking import chunk_size_from
 
 AUTH_TIMEOUT = 5.0
@@ -27,6 +30,7 @@ class _PendingLink:
     meta: dict | None = None
     peer: str = ""
     socks: dict[int, socket.socket] = dataclasses.field(default_factory=dict)
+    keys: dict[int, tuple[bytes, bytes] | None] = dataclasses.field(default_factory=dict)
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -49,13 +53,14 @@ class Server:
 
     def __init__(self, listener: socket.socket, *, secret: bytes, on_link, limits: Limits, timeout: float,
                  link_options: dict, unix: tuple[socket.socket, str] | None = None,
-                 auth_timeout: float = AUTH_TIMEOUT):
+                 auth_timeout: float = AUTH_TIMEOUT, secure: bool = False):
         self._listener = listener
         self._unix_listener, self.unix_name = unix if unix is not None else (None, None)
         self._secret = secret
         self._on_link = on_link
         self._limits = limits
         self._timeout = timeout
+        self._require_secure = secure  # refuse clients that do not ask for sealed streams
         self._auth_timeout = min(auth_timeout, timeout)
         self._link_options = link_options
         self.loop = asyncio.get_running_loop()
@@ -147,7 +152,7 @@ class Server:
         self.handshakes.spoke(attempt)
         hello = handshake.stream
         pending = self._pending.get(hello.link_id)
-        status = self._admission(hello, pending)
+        status = Status.INSECURE if self._require_secure and not hello.secure else self._admission(hello, pending)
         if status is not Status.OK:
             await loop.sock_sendall(sock, handshake.reject(status))
             raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
@@ -169,6 +174,8 @@ class Server:
             pending.expiry = loop.call_later(self._timeout, self._expire, hello.link_id)
             self._pending[hello.link_id] = pending
         pending.socks[hello.index] = sock
+        pending.keys[hello.index] = (stream_keys(self._secret, *handshake.transcript(), client=False)
+                                     if hello.secure else None)
         if hello.index == 0:
             pending.meta, pending.peer = hello.meta, peer
         if len(pending.socks) < pending.count:
@@ -197,6 +204,7 @@ class Server:
         link_id, pending = accepted
         socks = [pending.socks[i] for i in range(pending.count)]
         link = Link(socks, peer=pending.peer, link_id=link_id, peer_meta=pending.meta, limits=self._limits,
+                    keys=[pending.keys[i] for i in range(pending.count)],
                     timeout=self._timeout, **{k: v for k, v in self._link_options.items()
                                               if k in ("chunk_size", "compress", "checksum")}).start()
         self._probe_links = {probe for probe in self._probe_links if not probe.closed}
@@ -288,11 +296,14 @@ def _send_quietly(sock: socket.socket, data: bytes) -> None:
 async def start_server(host: str, port: int, *, on_link, secret: bytes | str, timeout: float = DEFAULT_TIMEOUT,
                        limits: Limits = DEFAULT_LIMITS, backlog: int = 128, chunk_size: int | None = None,
                        congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
-                       checksum: bool = False, unix: bool = False, auth_timeout: float = AUTH_TIMEOUT) -> Server:
+                       checksum: bool = False, unix: bool = False, auth_timeout: float = AUTH_TIMEOUT,
+                       secure: bool = False) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
     Everything is resolved already (``wanlink.serve`` reads the settings for what it is not given).
     An accepted connection must authenticate within ``auth_timeout`` s (at most ``timeout``).
+    ``secure=True`` refuses clients that do not ask for encrypted, authenticated streams (a client
+    that asks always gets them).
 
     ``unix=True`` also listens on an abstract Unix socket (``server.unix_name``) for processes of
     the same host and network namespace: the same handshake; sending costs a third less CPU per
@@ -300,6 +311,8 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
     """
     key = normalize_secret(secret)
     chunk_size_from(chunk_size)  # a bad size fails now, not at each link
+    if secure and not key:
+        raise ConfigError("secure=True needs a shared secret (WANLINK_SECRET): keys derive from it")
     if not key:
         log.warning("serving on %s:%s without authentication (empty secret)", host, port)
     try:
@@ -315,4 +328,4 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
         close_quietly(listener)
         raise
     return Server(listener, secret=key, on_link=on_link, limits=limits, timeout=timeout,
-                  link_options=options, unix=local, auth_timeout=auth_timeout).start()
+                  link_options=options, unix=local, auth_timeout=auth_timeout, secure=secure).start()
