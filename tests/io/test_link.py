@@ -323,8 +323,10 @@ async def test_message_size_mismatch_raises_and_link_survives(pair):
     assert out == b"ok"
 
 
-async def test_a_late_receiver_makes_the_sender_wait_within_the_staging_limit():
-    p = await open_pair(2, server_options={"limits": Limits(max_unexpected_bytes=2 * MiB)}, chunk_size=256 * 1024)
+@pytest.mark.parametrize("secure", [False, True])
+async def test_a_late_receiver_makes_the_sender_wait_within_the_staging_limit(secure):
+    p = await open_pair(2, server_options={"limits": Limits(max_unexpected_bytes=2 * MiB), "secure": secure},
+                        chunk_size=256 * 1024, secure=secure)
     try:
         payload = bytes(range(256)) * (6 * MiB // 256)
         sending = asyncio.ensure_future(p.client.send(payload, tag=5))
