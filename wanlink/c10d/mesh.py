@@ -3,8 +3,8 @@
 Every member runs one wanlink server and publishes ``host:port`` under ``wanlink/addr/<rank>``,
 and under ``wanlink/local/<rank>`` its host key and abstract Unix socket: members of one host (and
 network namespace) link over Unix sockets instead of TCP loopback (``WANLINK_UNIX=0`` turns that off).
-Links are made at start-up (and re-requested lazily), one per pair of members, and shared by every process group of that world:
-the member with the higher rank connects, the lower one accepts. The shared secret is
+Links are made at start-up (and re-requested lazily), one per pair of members, and shared by every
+process group of that world: the member with the higher rank connects, the lower one accepts. The shared secret is
 ``WANLINK_SECRET`` when set, otherwise made by rank 0 and handed out through the Store (see
 docs/c10d.md for what that means for trust).
 

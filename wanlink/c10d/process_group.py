@@ -44,7 +44,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
     """The "wanlink" backend: see docs/c10d.md."""
 
     def __init__(self, mesh: Mesh, owns_mesh: bool, mesh_ranks: Sequence[int], group_rank: int,
-                 group_name: str, timeout: timedelta, settings: Settings = Settings(), detail: bool = False):
+                 group_name: str, timeout: timedelta, settings: Settings, detail: bool = False):
         super().__init__(group_rank, len(mesh_ranks))
         self.mesh, self.owns_mesh = mesh, owns_mesh
         self.mesh_ranks = list(mesh_ranks)
@@ -349,7 +349,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         return self._collective(op, fingerprint, body, staging, outputs, opts, parts=len(jobs))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` = rank k's ``input_list[i]``, every tensor in one collective."""
+        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` = rank k's ``input_list[i]``, in one collective."""
         op = "all_gather_coalesced"
         if not input_list or len(output_lists) != self.group_size:
             raise ConfigError(f"wanlink {op}: need at least one input and {self.group_size} output lists, "
@@ -509,7 +509,8 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         return self._p2p("recv", tensors, srcRank, tag, sending=False)
 
     def recv_anysource(self, tensors, tag: int):
-        """``dist.recv`` / ``dist.irecv`` without ``src``: receive from whichever rank sends on ``tag`` first; ``work._source_rank()`` names it."""
+        """``dist.recv`` / ``dist.irecv`` without ``src``: from whichever rank sends on ``tag`` first
+        (``work._source_rank()`` names it)."""
         return self._p2p("recv", tensors, None, tag, sending=False)
 
     # torch >= 2.13 names; the underscore names are what older torch calls
