@@ -12,22 +12,23 @@ the ratio of the p50 times: above 1, wanlink is faster.
 
     python bench/collectives.py [--worlds 2 4] [--sizes 64K 1M 4M 16M 64M 256M] [--iters 40]
 
-Writes collectives.{txt,json,png} to --out (default bench/results/).
+Writes collectives.{txt,json,png} to --out (bench/results/ with --publish).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.reporting import Run, add_output_options, colours, legend_outside, new_figure
+
 KiB, MiB = 1 << 10, 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
 BACKENDS = ("wanlink", "gloo")
 
@@ -179,29 +180,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(run: Run, rows: list[dict]) -> Path:
     worlds = sorted({r["world"] for r in rows})
-    figure, axes = plt.subplots(len(worlds), len(OPS), figsize=(4 * len(OPS), 3.2 * len(worlds)), squeeze=False)
+    figure, axes = new_figure(len(worlds), len(OPS), figsize=(4 * len(OPS), 3.2 * len(worlds)), squeeze=False)
+    palette = colours(BACKENDS)
     for i, world in enumerate(worlds):
         for j, op in enumerate(OPS):
             axis = axes[i][j]
             for backend, style in zip(BACKENDS, ("o-", "s--")):
                 points = sorted((r["bytes"] / MiB, r["busbw_GBps"]) for r in rows
                                 if r["world"] == world and r["op"] == op and r["backend"] == backend)
-                axis.plot([p[0] for p in points], [p[1] for p in points], style, label=backend)
+                axis.plot([p[0] for p in points], [p[1] for p in points], style, label=backend,
+                          color=palette[backend])
             axis.set_xscale("log", base=2)
             axis.set_title(f"{op}, {world} ranks (loopback)")
             axis.set_xlabel("size (MiB)")
             axis.set_ylabel("busbw at p50 (GB/s)")
             axis.grid(alpha=0.3)
-            axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    legend_outside(axes[0][-1])
+    return run.save_figure(figure, "collectives")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,29 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["64K", "1M", "4M", "16M", "64M", "256M"],
                         help="per-rank sizes: 64K, 4M, ... or bytes")
     parser.add_argument("--iters", type=int, default=40, help="timed iterations per point up to 16 MiB")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    run = Run(args)
     sizes = [parse_size(size) for size in args.sizes]
-    load_before = os.getloadavg()
-    started = time.time()
     rows: list[dict] = []
     for world in args.worlds:
         print(f"world of {world} ranks on loopback", flush=True)
         rows += run_world(world, sizes, args.iters)
-    load_after = os.getloadavg()
     text = table(rows)
-    header = (f"wanlink vs gloo collectives over loopback; {os.cpu_count()} CPUs, {platform.machine()}, "
-              f"python {platform.python_version()}; load average before {load_before[0]:.2f}, "
-              f"after {load_after[0]:.2f}; up to {args.iters} timed iterations per point, backends alternating; "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}")
-    print("\n" + header + "\n" + text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "collectives.txt").write_text(header + "\n" + text + "\n")
-    (args.out / "collectives.json").write_text(json.dumps(
-        {"header": header, "command": sys.argv, "load_average_before": load_before,
-         "load_average_after": load_after, "rows": rows}, indent=1))
-    plot(rows, args.out / "collectives.png")
-    print(f"wrote {args.out}/collectives.{{txt,json,png}}")
+    header = run.header()
+    print(f"\nwanlink vs gloo collectives over loopback; load {header['load_before'][0]} -> {header['load_after'][0]}; "
+          f"up to {args.iters} timed iterations per point, backends alternating\n{text}")
+    run.save_text("collectives.txt", text + "\n")
+    run.save_json("collectives", {"rows": rows})
+    plot(run, rows)
+    print(f"wrote {run.out}/collectives.{{txt,json,png}}")
     return 0
 
 

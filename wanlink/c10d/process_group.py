@@ -509,8 +509,10 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         return self._p2p("recv", tensors, srcRank, tag, sending=False)
 
     def recv_anysource(self, tensors, tag: int):
-        """``dist.recv`` / ``dist.irecv`` without ``src``: from whichever rank sends on ``tag`` first
-        (``work._source_rank()`` names it)."""
+        """``dist.recv`` / ``dist.irecv`` without ``src``: from whichever rank sends on ``tag`` first.
+
+        ``work._source_rank()`` names that rank.
+        """
         return self._p2p("recv", tensors, None, tag, sending=False)
 
     # torch >= 2.13 names; the underscore names are what older torch calls
