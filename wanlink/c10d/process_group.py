@@ -46,7 +46,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
     """The "wanlink" backend: see docs/c10d.md."""
 
     def __init__(self, mesh: Mesh, owns_mesh: bool, mesh_ranks: Sequence[int], group_rank: int,
-                 group_name: str, timeout: timedelta, settings: Settings = Settings(), detail: bool = False):
+                 group_name: str, timeout: timedelta, settings: Settings, detail: bool = False):
         super().__init__(group_rank, len(mesh_ranks))
         self.mesh, self.owns_mesh = mesh, owns_mesh
         self.mesh_ranks = list(mesh_ranks)
