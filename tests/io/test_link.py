@@ -323,12 +323,33 @@ async def test_message_size_mismatch_raises_and_link_survives(pair):
     assert out == b"ok"
 
 
-async def test_unexpected_data_beyond_limit_fails_the_link():
-    p = await open_pair(2, server_options={"limits": Limits(max_unexpected_bytes=2 * MiB)})
+async def test_a_late_receiver_makes_the_sender_wait_within_the_staging_limit():
+    p = await open_pair(2, server_options={"limits": Limits(max_unexpected_bytes=2 * MiB)}, chunk_size=256 * 1024)
     try:
-        with pytest.raises(PeerLost):
+        payload = bytes(range(256)) * (6 * MiB // 256)
+        sending = asyncio.ensure_future(p.client.send(payload, tag=5))
+        while p.accepted.reassembler.unexpected_bytes < 1 * MiB:  # the eager window (half the budget) arrives
+            await asyncio.sleep(0.01)
+        assert not sending.done()  # the rest waits for the receive
+        out = bytearray(len(payload))
+        await asyncio.wait_for(p.accepted.recv_into(out, tag=5), 10)
+        await asyncio.wait_for(sending, 10)
+        assert out == payload and p.accepted.reassembler.peak_unexpected_bytes <= 2 * MiB
+    finally:
+        await p.close()
+
+
+async def test_a_peer_ignoring_credit_fails_the_link_and_both_errors_name_tag_bytes_and_limit(monkeypatch):
+    p = await open_pair(2, server_options={"limits": Limits(max_unexpected_bytes=2 * MiB)}, chunk_size=256 * 1024)
+    try:
+        p.client.flow.credit = 1 << 40  # a broken peer: it sends as if it had credit...
+        monkeypatch.setattr(p.client, "eager_window", lambda: 1 << 40)  # ...for the whole message
+        with pytest.raises(PeerLost) as info:
             await asyncio.wait_for(p.client.send(bytes(4 * MiB), tag=5), 10)
-        assert isinstance(p.accepted.error, LimitExceeded)
+        assert isinstance(p.accepted.error, LimitExceeded) and "tag=5" in str(p.accepted.error)
+        remote = str(info.value)
+        assert "failed the link (limit)" in remote and "max_unexpected_bytes" in remote
+        assert f"> {2 * MiB}" in remote and "tag=5" in remote
     finally:
         await p.close()
 

@@ -191,7 +191,7 @@ class Mesh:
         if slot.done():
             await link.close()
         else:
-            slot.set_result(link)
+            self._hold(peer, slot, link)
 
     async def _on_link(self, link) -> None:
         meta = link.peer_meta or {}
@@ -206,7 +206,24 @@ class Mesh:
             logger.warning("duplicate link from rank %d ignored", peer)
             await link.close()
             return
+        self._hold(peer, slot, link)
+
+    def _hold(self, peer: int, slot: asyncio.Future, link) -> None:
+        """Hand out ``link`` for ``peer`` until it fails; then drop it (freeing what it staged) and
+        answer later requests with the reason."""
         slot.set_result(link)
+        link.add_failure_callback(lambda failed: self._drop(peer, failed))
+
+    def _drop(self, peer: int, link) -> None:
+        slot = self._links.get(peer)
+        if slot is None or not slot.done() or slot.cancelled() or slot.exception() is not None:
+            return
+        if slot.result() is not link:
+            return
+        failed = link.loop.create_future()
+        failed.set_exception(PeerLost(f"wanlink: the link rank {self.rank} <-> rank {peer} failed: {link.error}"))
+        failed.exception()  # retrieved: nobody need ask
+        self._links[peer] = failed
 
     def cached(self, peer: int):
         """The link to ``peer`` if it is already up, else None (loop thread)."""

@@ -23,13 +23,14 @@ from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse
 from wanlink.c10d.deadlines import URGENT, current_deadline
 from wanlink.c10d.debug import VARIES, Fingerprint, check_fingerprint
 from wanlink.c10d.gc_freeze import freeze_gc_once
+from wanlink.c10d.identity import GroupIdentity
 from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
-from wanlink.collectives import direct, ring, sparse
+from wanlink.collectives import choice, direct, sparse
 from wanlink.collectives.base import Comm, gather_all, split
-from wanlink.collectives.reduce_ops import finish_average, reducer_for
+from wanlink.collectives.reduce_ops import reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
 from wanlink.settings import Settings
 
@@ -39,7 +40,7 @@ SHUTDOWN_DRAIN_SECONDS = 10.0
 """Longest the world group waits at shutdown for peers to finish reading what it sent."""
 
 
-class ProcessGroupWanlink(ProcessGroup):
+class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
     """The "wanlink" backend: see docs/c10d.md."""
 
     def __init__(self, mesh: Mesh, owns_mesh: bool, mesh_ranks: Sequence[int], group_rank: int,
@@ -56,29 +57,6 @@ class ProcessGroupWanlink(ProcessGroup):
         self._sequence = 0
         self._sequence_lock = threading.Lock()
         freeze_gc_once(settings.gc_freeze)
-
-    # -- identity -----------------------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return "wanlink"
-
-    def name(self) -> str:
-        return "wanlink"
-
-    # torch's ProcessGroup keeps its name and description in its per-device Backends; a Python
-    # ProcessGroup has none, so `group_name` (which functional collectives, DTensor and FSDP2
-    # resolve groups by) would raise "ProcessGroup name not set". These overrides are what
-    # C++ (ProcessGroup::getGroupName) and Python (`pg.group_name`, `_set_group_name`) reach.
-    def getGroupName(self) -> str:  # noqa: N802 - torch's name
-        return self._group_name
-
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._group_desc = desc
 
     def __repr__(self) -> str:
         return f"ProcessGroupWanlink(group={self.label!r}, rank={self.group_rank}, size={self.group_size})"
@@ -153,28 +131,6 @@ class ProcessGroupWanlink(ProcessGroup):
     def _is_small(self, size_bytes: int) -> bool:
         return size_bytes <= self.direct_max_bytes
 
-    # -- algorithm choice (shared by single and coalesced calls) ----------------------------------
-    async def _run_allreduce(self, comm: Comm, buffer: torch.Tensor, reducer, name: str) -> None:
-        await (direct.allreduce if self._is_small(nbytes(buffer)) else ring.allreduce)(comm, buffer, reducer)
-        if name == "avg":
-            finish_average(buffer, self.group_size)
-
-    async def _run_reduce_scatter(self, comm: Comm, blocks: list[torch.Tensor], result: torch.Tensor,
-                                  reducer, name: str) -> None:
-        if self._is_small(nbytes(result) * self.group_size):
-            await direct.reduce_scatter(comm, blocks, result, reducer)
-        else:
-            await ring.reduce_scatter_into(comm, blocks, result, reducer)
-        if name == "avg":
-            finish_average(result, self.group_size)
-
-    async def _run_all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        if self._is_small(sum(nbytes(target) for target in targets)):
-            await direct.all_gather(comm, source, targets)
-        else:
-            targets[self.group_rank].copy_(source)
-            await ring.all_gather(comm, targets)
-
     # -- reductions ---------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         """``dist.all_reduce``."""
@@ -189,7 +145,7 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.write(tensor, fill=True)
 
         async def body(comm: Comm) -> None:
-            await self._run_allreduce(comm, buffer, reducer, name)
+            await choice.allreduce(comm, buffer, reducer, name, self.direct_max_bytes)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
 
@@ -217,7 +173,7 @@ class ProcessGroupWanlink(ProcessGroup):
         flat = torch.cat([staging.read(tensor) for tensor in tensors])
 
         async def body(comm: Comm) -> None:
-            await self._run_allreduce(comm, flat, reducer, name)
+            await choice.allreduce(comm, flat, reducer, name, self.direct_max_bytes)
             copy_parts(flat, tensors)
 
         return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts)
@@ -228,7 +184,7 @@ class ProcessGroupWanlink(ProcessGroup):
         result = staging.write(output)
 
         async def body(comm: Comm) -> None:
-            await self._run_reduce_scatter(comm, blocks, result, reducer, name)
+            await choice.reduce_scatter(comm, blocks, result, reducer, name, self.direct_max_bytes)
 
         return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts)
 
@@ -290,7 +246,7 @@ class ProcessGroupWanlink(ProcessGroup):
             jobs.append((list(stacked), torch.empty(stacked.shape[1], dtype=dtype)))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([self._run_reduce_scatter(comm, blocks, result, reducer, name)
+            await gather_all([choice.reduce_scatter(comm, blocks, result, reducer, name, self.direct_max_bytes)
                               for comm, (blocks, result) in zip(comms, jobs)])
             if joint:
                 copy_parts(jobs[-1][1], joint)
@@ -308,13 +264,10 @@ class ProcessGroupWanlink(ProcessGroup):
         reducer = reducer_for(name, tensor.dtype, op)
         staging = Staging()
         is_root = self.group_rank == root
-        small = self._is_small(nbytes(tensor))
         buffer = staging.write(tensor, fill=True) if is_root else staging.read(tensor)
 
         async def body(comm: Comm) -> None:
-            await (direct.reduce if small else ring.reduce)(comm, buffer, root, reducer)
-            if is_root and name == "avg":
-                finish_average(buffer, self.group_size)
+            await choice.reduce(comm, buffer, root, reducer, name, self.direct_max_bytes)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
@@ -329,14 +282,14 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.read(tensor) if self.group_rank == root else staging.write(tensor)
 
         async def body(comm: Comm) -> None:
-            await (direct.broadcast if self._is_small(nbytes(buffer)) else ring.broadcast)(comm, buffer, root)
+            await choice.broadcast(comm, buffer, root, self.direct_max_bytes)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
     def _all_gather_into(self, op: str, source: torch.Tensor, targets: list[torch.Tensor],
                          staging: Staging, outputs: list, opts) -> WanlinkWork:
         async def body(comm: Comm) -> None:
-            await self._run_all_gather(comm, source, targets)
+            await choice.all_gather(comm, source, targets, self.direct_max_bytes)
 
         return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts)
 
@@ -384,7 +337,7 @@ class ProcessGroupWanlink(ProcessGroup):
             jobs.append((gathered[self.group_rank], gathered))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([self._run_all_gather(comm, source, targets)
+            await gather_all([choice.all_gather(comm, source, targets, self.direct_max_bytes)
                               for comm, (source, targets) in zip(comms, jobs)])
             if small:
                 for target, row in zip(gathered, landing):

@@ -9,12 +9,15 @@ import socket
 from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly, tcp_bytes_acked,
-    unix_address,
+    close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly,
+    tcp_bytes_acked, tcp_rtt_s, unix_address,
 )
 from wanlink.io.stream import Stream
-from wanlink.proto.control import pack_message, unpack_message
-from wanlink.proto.frames import PING_FRAME, Header, control_header
+from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
+from wanlink.proto.flow import SendFlow, eager_window
+from wanlink.proto.frames import (
+    PING_FRAME, FrameType, Header, announce_frame, control_header, credit_frame, grant_frame,
+)
 from wanlink.proto.handshake import ClientHandshake, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
@@ -28,6 +31,7 @@ LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
 There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; elsewhere the probe
 picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
+ABORT_GRACE_S = 1.0  # how long a failing link tries to deliver its ABORT before closing
 _INT64 = (-(2**63), 2**63 - 1)
 _LINK_FAILED = object()  # queued to wake control readers when the link fails
 
@@ -101,6 +105,10 @@ class Link:
         self._wake_start = 0
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
+        self._failure_callbacks: list = []
+        self.flow = SendFlow(max_grants=limits.max_pending_transfers)  # what we may send (peer's credit, grants)
+        self._credit_granted = limits.max_unexpected_bytes  # cumulative eager credit we gave the peer
+        self._rtt_s: float | None = None  # smallest kernel RTT over the streams (TCP only)
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
         self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
 
@@ -111,6 +119,7 @@ class Link:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Link":
+        self._queue_frame(credit_frame(self._credit_granted))  # advertise our staging budget
         for stream in self._streams:
             stream.start()
         self._watchdog = self.loop.create_task(self._watch(), name=f"wanlink-watchdog-{self.name}")
@@ -128,6 +137,7 @@ class Link:
         self._stop_watchdog()
         await asyncio.gather(*(stream.close(grace) for stream in self._streams))
         registry.unregister(self)
+        self._release()
 
     async def __aenter__(self):
         return self
@@ -163,9 +173,14 @@ class Link:
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
         done = self.loop.create_future()
         self._outgoing[(tag, seq)] = (transfer, done)
-        for chunk in transfer.chunks:
-            self.queue.push(chunk)
-        self._wake_writers()
+        if tag == PROBE_DISCARD_TAG:  # dropped by the peer: no flow control
+            self._queue_chunks([(chunk, False) for chunk in transfer.chunks])
+        else:
+            released, announce = self.flow.start(tag, seq, [(chunk, len(chunk.view)) for chunk in transfer.chunks],
+                                                 self.eager_window())
+            if announce:
+                self._queue_frame(announce_frame(tag, seq, transfer.total))
+            self._queue_chunks(released)
         await asyncio.shield(done)
 
     async def recv_into(self, buffer, *, tag: int) -> int:
@@ -174,10 +189,12 @@ class Link:
         _check_tag(tag)
         self._raise_if_failed(f"recv on tag {tag}: 0 of {len(view)} bytes received")
         entry = self.reassembler.post(tag, view)
+        self._return_credit()
         if entry.done:
             if entry.error is not None:
                 raise entry.error
             return entry.total
+        self._queue_frame(grant_frame(tag, entry.seq))
         waiter = self.loop.create_future()
         self._recv_waiters[entry] = waiter
         try:
@@ -215,8 +232,7 @@ class Link:
         self._raise_if_failed("control message send")
         payload = pack_message(message)
         self.limits.check_outgoing("max_control_size", len(payload), "outgoing control message")
-        stream = min((s for s in self._streams if s.alive), key=lambda s: len(s.control))
-        stream.queue_control(control_header(len(payload)) + payload)
+        self._queue_frame(control_header(len(payload)) + payload)
 
     async def recv_control(self):
         """The next control message the peer sent."""
@@ -233,13 +249,12 @@ class Link:
             return self.reassembler.scratch_view(header.raw_len)
         view = self.reassembler.place(header)
         if self._start_waiters:
-            for waiter in self._start_waiters.pop(header.tag, ()):
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._wake_start_waiters(header.tag)
         return view
 
     def chunk_received(self, header: Header) -> None:
         entry = self.reassembler.chunk_done(header)
+        self._return_credit()
         if entry is None:
             return
         waiter = self._recv_waiters.pop(entry, None)
@@ -272,6 +287,25 @@ class Link:
         else:
             self.duplicate_acks += 1
 
+    def flow_received(self, header: Header) -> None:
+        """A GRANT or CREDIT for what we send, or an ANNOUNCE of a message waiting for our grant."""
+        if header.type is FrameType.CREDIT:
+            self._queue_chunks(self.flow.on_credit(header.total))
+            return
+        if header.tag < 0:
+            raise RemoteProtocolError(f"{header.type.name} on reserved tag {header.tag}")
+        if header.type is FrameType.GRANT:
+            started = header.seq < self._next_send_seq.get(header.tag, 0)
+            self._queue_chunks(self.flow.on_grant(header.tag, header.seq, started))
+        else:
+            self.reassembler.announce(header)
+            self._wake_start_waiters(header.tag)
+
+    def abort_received(self, payload: bytes) -> None:
+        """The peer is failing the link and said why."""
+        code, text = unpack_abort(payload)
+        self.fail(PeerLost(f"{self.peer} failed the link ({code}): {text}"))
+
     def control_received(self, payload: bytes) -> None:
         message = unpack_message(payload)
         try:
@@ -295,6 +329,7 @@ class Link:
         for chunk in unacked:
             self.queue.push(chunk)
         self.requeued_chunks += len(unacked)
+        self._repeat_flow_frames()
         alive = self.streams_alive
         log.warning("stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
                     stream.index, self.name, exc, len(unacked), alive)
@@ -305,19 +340,45 @@ class Link:
             self._wake_writers()
 
     def fail(self, exc: BaseException) -> None:
-        """Fail the link: close every stream and fail every pending operation with PeerLost."""
+        """Fail the link: close every stream and fail every pending operation with PeerLost.
+
+        Unless the peer is gone already (PeerLost), it is told why first: an ABORT frame with a
+        reason code and the error's text, so its error names what ours does (tag, bytes, limit).
+        """
         if self.error is not None:
             return
-        self.error = exc
         if not self._closing and not self.peer_closed:
-            log.warning("link %s failed: %s", self.name, exc)
-        for stream in self._streams:
-            stream.abort()
+            log.warning("link %s failed: %s", self.name, exc, exc_info=None if isinstance(exc, WanlinkError) else exc)
+        self.error = exc.with_traceback(None)  # its frames would hold this link (and staged chunks) in a cycle
+        if isinstance(exc, PeerLost):
+            for stream in self._streams:
+                stream.abort()
+        else:
+            frame = abort_frame(exc)
+            for stream in self._streams:
+                stream.abort_saying(frame, ABORT_GRACE_S)
         self._stop_watchdog()
         self._fail_waiters(exc)
         registry.unregister(self)
+        callbacks, self._failure_callbacks = self._failure_callbacks, []
+        for callback in callbacks:
+            callback(self)
+        if not self._closing:  # (close() releases once its streams said goodbye)
+            self._release()
+
+    def add_failure_callback(self, callback) -> None:
+        """Call ``callback(link)`` once if the link fails (not when closed locally); e.g. to drop it."""
+        self._failure_callbacks.append(callback)
 
     # -- internals --------------------------------------------------------------------------------
+    def _release(self) -> None:
+        """The link is finished: free staged chunks at once and drop the references from its streams
+        back to it, so that it is freed without waiting for Python's cycle collector."""
+        self.reassembler.clear()
+        self._failure_callbacks = []
+        for stream in self._streams:
+            stream.detach()
+
     def _raise_if_failed(self, operation: str) -> None:
         if self.error is not None:
             raise self._lost(self.error, operation)
@@ -329,6 +390,7 @@ class Link:
 
     def _fail_waiters(self, cause: BaseException) -> None:
         self.queue.drain()
+        self.flow.forget()
         for (tag, _seq), (transfer, done) in self._outgoing.items():
             if not done.done():
                 done.set_exception(self._lost(
@@ -348,6 +410,45 @@ class Link:
         if not self._controls.full():
             self._controls.put_nowait(_LINK_FAILED)
 
+    def eager_window(self) -> int:
+        """Bytes of a new message sent before the peer grants it: a bandwidth-delay product of the
+        acknowledged rate and the kernel's RTT (see ``wanlink.proto.flow.eager_window``)."""
+        return eager_window(self.delivery.estimate(), self._rtt_s, self.flow.budget)
+
+    def _queue_chunks(self, released: list) -> None:
+        """Queue the chunks flow control released, marking those sent on eager credit."""
+        if not released:
+            return
+        for chunk, eager in released:
+            chunk.eager = eager
+            self.queue.push(chunk)
+        self._wake_writers()
+
+    def _queue_frame(self, frame: bytes) -> None:
+        """Queue a control or flow frame on the live stream with the fewest waiting (none left: drop it)."""
+        alive = [s for s in self._streams if s.alive]
+        if alive:
+            min(alive, key=lambda s: len(s.control)).queue_control(frame)
+
+    def _return_credit(self) -> None:
+        due = self.reassembler.take_credit()
+        if due:
+            self._credit_granted += due
+            self._queue_frame(credit_frame(self._credit_granted))
+
+    def _repeat_flow_frames(self) -> None:
+        """A stream died, maybe with flow frames unsent: say again what the peer must know (idempotent)."""
+        self._queue_frame(credit_frame(self._credit_granted))
+        for entry in self.reassembler.pending():
+            self._queue_frame(grant_frame(entry.tag, entry.seq))
+        for tag, seq, total in self.flow.waiting_announced():
+            self._queue_frame(announce_frame(tag, seq, total))
+
+    def _wake_start_waiters(self, tag: int) -> None:
+        for waiter in self._start_waiters.pop(tag, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _wake_writers(self) -> None:
         """Wake every idle writer, starting one further each time so small messages spread over streams."""
         count = len(self._streams)
@@ -360,6 +461,7 @@ class Link:
     def _stop_watchdog(self) -> None:
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
             self._watchdog.cancel()
+            self._watchdog = None  # its CancelledError's traceback holds this link
 
     async def _watch(self) -> None:
         """Ping idle streams, drop silent ones, sample delivery rates."""
@@ -377,6 +479,7 @@ class Link:
                     stream.queue_control(PING_FRAME)
             if self.error is not None:
                 return
+            self._rtt_s = min(filter(None, (tcp_rtt_s(s.sock) for s in self._streams if s.alive)), default=None)
             self._sample_rates(now)
 
     def _sample_rates(self, now: float) -> None:
@@ -435,6 +538,8 @@ class Link:
             "duplicate_chunks": self.reassembler.duplicate_chunks,
             "duplicate_acks": self.duplicate_acks,
             "unexpected_bytes_held": self.reassembler.unexpected_bytes,
+            "peak_unexpected_bytes": self.reassembler.peak_unexpected_bytes,
+            "eager_window": self.eager_window(),
             "recent_send_bps": self._recent_rate_bps(1),
             "recent_recv_bps": self._recent_rate_bps(2),
             "estimated_bps": 8 * (self.delivery.estimate() or 0.0),

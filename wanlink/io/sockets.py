@@ -246,6 +246,16 @@ def congestion_of(sock: socket.socket) -> str | None:
     return raw.split(b"\0", 1)[0].decode() or None
 
 
+def tcp_rtt_s(sock: socket.socket) -> float | None:
+    """The kernel's smoothed round-trip time of this TCP socket in seconds; None where unknown."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    info = tcp_info(sock)
+    if info is None or not info.rtt:
+        return None
+    return info.rtt / 1e6
+
+
 async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int) -> bytes:
     """Read exactly ``nbytes`` (never more); PeerLost when the peer closes first."""
     buf = bytearray(nbytes)

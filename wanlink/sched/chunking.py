@@ -31,6 +31,7 @@ class Chunk:
     view: memoryview
     acked: bool = False
     order: tuple | None = None  # EDF position, fixed when first queued
+    eager: bool = False  # sent on the link's eager credit (flow control), before the peer granted it
 
     @property
     def tag(self) -> int:
