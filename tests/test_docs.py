@@ -75,11 +75,8 @@ def _check_python_command(words: list[str]) -> list[str] | None:
     """The --help probe for ``python3 ...`` (None when there is nothing cheap to run)."""
     args = words[1:]
     if args[:1] == ["dev.py"]:
-        sys.path.insert(0, str(ROOT))
-        try:
-            import dev
-        finally:
-            sys.path.remove(str(ROOT))
+        import dev  # the repository root is on sys.path (pytest's pythonpath)
+
         assert args[1] in dev.COMMANDS, f"`dev.py {args[1]}` is not a dev.py command ({sorted(dev.COMMANDS)})"
         rest = args[2:]
         if args[1] in ("bench", "python") and rest:
@@ -87,22 +84,13 @@ def _check_python_command(words: list[str]) -> list[str] | None:
         return None
     if args[:1] == ["-m"]:
         module = args[1]
-        with _repository_on_path():
-            assert importlib.util.find_spec(module) is not None, f"no module {module}"
+        assert importlib.util.find_spec(module) is not None, f"no module {module}"
         return [sys.executable, "-m", module, "--help"]
     script = next((arg for arg in args if not arg.startswith("-")), None)
     if script is not None:
         assert (ROOT / script).exists(), f"{script} does not exist"
         return [sys.executable, script, "--help"]
     return None
-
-
-class _repository_on_path:
-    def __enter__(self):
-        sys.path.insert(0, str(ROOT))
-
-    def __exit__(self, *exc):
-        sys.path.remove(str(ROOT))
 
 
 @pytest.mark.parametrize("block", _marked("bash"))

@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from tests.io.conftest import open_pair
+from tests.support.links import open_pair
 from wanlink.errors import PeerLost, RemoteProtocolError
 from wanlink.proto.limits import MiB, Limits
 
