@@ -47,7 +47,7 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
                   meta: dict | None = None, timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None,
                   congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
                   checksum: bool = False, limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None,
-                  settings: Settings | None = None) -> Link:
+                  chunk_order: str | None = None, settings: Settings | None = None) -> Link:
     """Open a Link of ``streams`` TCP streams to a wanlink server and authenticate each one.
 
     ``streams`` defaults to WANLINK_STREAMS, else to a count probed on the path (1, 2, 4, ... up to
@@ -57,7 +57,8 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
     namespace only); the streams are Unix sockets, not probed (default 4). ``settings`` replaces
-    the environment (default ``wanlink.settings.from_env()``).
+    the environment (default ``wanlink.settings.from_env()``). ``chunk_order`` defaults to
+    WANLINK_CHUNK_ORDER: "edf" sends chunks earliest deadline first, "fcfs" in arrival order.
     """
     settings = from_env() if settings is None else settings
     if streams is not None:
@@ -76,18 +77,19 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
             chunk_size = probed_chunk
     return await open_link(host, port, streams=count, secret=key, meta=meta, timeout=timeout, chunk_size=chunk_size,
                            congestion=congestion, sock_buffer=sock_buffer, compress=compress, checksum=checksum,
-                           limits=limits, unix_name=unix_name)
+                           limits=limits, unix_name=unix_name,
+                           chunk_order=settings.chunk_order if chunk_order is None else chunk_order)
 
 
 async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = None,
                 timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS, backlog: int = 128,
                 chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
                 compress: bool = False, checksum: bool = False, unix: bool = False,
-                settings: Settings | None = None) -> Server:
+                chunk_order: str | None = None, settings: Settings | None = None) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
-    ``secret`` defaults to WANLINK_SECRET and ``chunk_size`` to WANLINK_CHUNK_SIZE (``settings``
-    replaces the environment). ``unix=True`` also listens on an abstract Unix socket
+    ``secret`` defaults to WANLINK_SECRET, ``chunk_size`` to WANLINK_CHUNK_SIZE and ``chunk_order``
+    to WANLINK_CHUNK_ORDER (``settings`` replaces the environment). ``unix=True`` also listens on an abstract Unix socket
     (``server.unix_name``) for processes of the same host and network namespace: the same
     handshake; sending costs a third less CPU per byte than over TCP loopback
     (bench/loopback_throughput.py --paths tcp unix).
@@ -97,7 +99,8 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
                               timeout=timeout, limits=limits, backlog=backlog,
                               chunk_size=settings.chunk_size if chunk_size is None else chunk_size,
                               congestion=congestion, sock_buffer=sock_buffer, compress=compress,
-                              checksum=checksum, unix=unix)
+                              checksum=checksum, unix=unix,
+                              chunk_order=settings.chunk_order if chunk_order is None else chunk_order)
 
 
 async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, sock_buffer, timeout: float,

@@ -10,6 +10,10 @@ tears everything down again::
         server = path.popen_b(["iperf3", "-s", "-1"])
         path.run_a(["iperf3", "-c", path.addr_b, "-t", "10"])
 
+``path.change(rate_mbit=100)`` (and ``rtt_ms``, ``loss``, ``queue_kb``) reshapes the running
+path in place: the emulator takes the new parameters without touching its devices, so open
+TCP connections carry on at the new rate.
+
 CLI: ``python3 -m bench.wanem.netns up|run|down`` (see ``--help``).
 """
 from __future__ import annotations
@@ -61,14 +65,16 @@ class Link:
     queue_kb: float | None = None
     queue_pkts: int | None = None
 
-    def args(self, d: str) -> list[str]:
-        out = [f"--delay-ms-{d}", repr(self.delay_ms), f"--rate-mbit-{d}", repr(self.rate_mbit),
-               f"--loss-{d}", repr(self.loss)]
-        if self.queue_kb is not None:
-            out += [f"--queue-bytes-{d}", str(int(self.queue_kb * 1024))]
-        if self.queue_pkts is not None:
-            out += [f"--queue-pkts-{d}", str(int(self.queue_pkts))]
+    def options(self, d: str) -> list[tuple[str, str]]:
+        """(option, value) pairs for direction ``d`` ("ab" or "ba"), as wanem names them."""
+        out = [(f"delay-ms-{d}", repr(self.delay_ms)), (f"rate-mbit-{d}", repr(self.rate_mbit)),
+               (f"loss-{d}", repr(self.loss))]
+        out.append((f"queue-bytes-{d}", str(int(self.queue_kb * 1024)) if self.queue_kb is not None else "0"))
+        out.append((f"queue-pkts-{d}", str(int(self.queue_pkts)) if self.queue_pkts is not None else "0"))
         return out
+
+    def args(self, d: str) -> list[str]:
+        return [text for option, value in self.options(d) for text in (f"--{option}", value)]
 
 
 def check_environment(programs: tuple[str, ...] = ()) -> None:
@@ -156,14 +162,11 @@ class WanPath:
                  window_kb: float | None = DEFAULT_WINDOW_KB, cc: str | tuple[str, str] | None = None,
                  seed: int = 1, ab: Link | None = None, ba: Link | None = None, mtu: int = 1500,
                  offload: bool = True, prefix: str = DEFAULT_PREFIX):
-        if queue_kb is None and queue_pkts is None and rate_mbit > 0:
-            queue_kb = max(64.0, rate_mbit * 1e6 / 8 * DEFAULT_QUEUE_MS / 1e3 / 1024)
-        sym = Link(rtt_ms / 2, rate_mbit, loss, queue_kb, queue_pkts)
+        sym = _symmetric(rtt_ms, rate_mbit, loss, queue_kb, queue_pkts)
         self.ab = ab or sym
         self.ba = ba or sym
         for link in (self.ab, self.ba):
-            if link.delay_ms < 0 or link.rate_mbit < 0 or not 0 <= link.loss <= 1:
-                raise ValueError(f"invalid link {link}")
+            _check_link(link)
         self.cc_a, self.cc_b = (cc, cc) if cc is None or isinstance(cc, str) else cc
         available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
         for name in {self.cc_a, self.cc_b} - {None}:
@@ -181,6 +184,7 @@ class WanPath:
         self._tmp: str | None = None
         self._children: list[subprocess.Popen] = []
         self._created: list[str] = []
+        self.changes = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -210,7 +214,7 @@ class WanPath:
 
     def _start_emulator(self, binary: Path) -> None:
         argv = [str(binary), "--ns-a", str(NETNS_DIR / self.ns_a), "--ns-b", str(NETNS_DIR / self.ns_b),
-                "--dev", DEV, "--stats", self.stats_path, "--seed", str(self.seed),
+                "--dev", DEV, "--stats", self.stats_path, "--control", self.control_path, "--seed", str(self.seed),
                 "--parent", str(os.getpid()), *self.ab.args("ab"), *self.ba.args("ba")]
         if not self.offload:
             argv.append("--no-offload")
@@ -309,7 +313,33 @@ class WanPath:
         self._children.append(proc)
         return proc
 
+    # -- changing the running path ------------------------------------------------------------
+
+    def change(self, rtt_ms: float | None = None, rate_mbit: float | None = None, loss: float | None = None,
+               queue_kb: float | None = None, *, ab: Link | None = None, ba: Link | None = None) -> None:
+        """Reshape the running path in both directions (or per direction with ``ab``/``ba``);
+        what is not given stays. A new rate without ``queue_kb`` also moves the default queue
+        (20 ms at the new rate). Connections stay open; returns once the emulator applied it."""
+        if self.emulator is None or self.emulator.poll() is not None:
+            raise WanemError("emulator is not running")
+        if ab is None and ba is None:
+            ab, ba = (_changed(link, rtt_ms, rate_mbit, loss, queue_kb) for link in (self.ab, self.ba))
+        ab, ba = ab or self.ab, ba or self.ba
+        for link in (ab, ba):
+            _check_link(link)
+        text = "".join(f"{option} {value}\n" for link, d in ((ab, "ab"), (ba, "ba")) for option, value in link.options(d))
+        Path(self.control_path).write_text(text)
+        reply = self._signal_and_wait(signal.SIGUSR2, self.control_path + ".ack")
+        if reply != f"ok {self.changes + 1}":
+            raise WanemError(f"wanem refused the change: {reply}")
+        self.changes += 1
+        self.ab, self.ba = ab, ba
+
     # -- emulator introspection ---------------------------------------------------------------
+
+    @property
+    def control_path(self) -> str:
+        return os.path.join(self._tmp or "", "control")
 
     @property
     def stats_path(self) -> str:
@@ -329,14 +359,19 @@ class WanPath:
         """Emulator counters per direction ("ab", "ba"): packets, segments, bytes, drops."""
         if self.emulator is None or self.emulator.poll() is not None:
             raise WanemError("emulator is not running")
-        before = os.stat(self.stats_path).st_mtime_ns if os.path.exists(self.stats_path) else 0
-        self.emulator.send_signal(signal.SIGUSR1)
+        self._signal_and_wait(signal.SIGUSR1, self.stats_path)
+        return self._read_stats()
+
+    def _signal_and_wait(self, sig: int, path: str) -> str:
+        """Send ``sig`` to the emulator and wait until it rewrote ``path``; its text."""
+        before = os.stat(path).st_mtime_ns if os.path.exists(path) else 0
+        self.emulator.send_signal(sig)
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
-            if os.path.exists(self.stats_path) and os.stat(self.stats_path).st_mtime_ns != before:
-                return self._read_stats()
+            if os.path.exists(path) and os.stat(path).st_mtime_ns != before:
+                return Path(path).read_text().strip()
             time.sleep(0.005)
-        raise WanemError("emulator did not write its stats")
+        raise WanemError(f"emulator did not answer {signal.Signals(sig).name} (no new {os.path.basename(path)})")
 
     def _read_stats(self) -> dict | None:
         try:
@@ -350,6 +385,27 @@ class WanPath:
             return Path(self._tmp, "stderr").read_text().strip()
         except OSError:
             return ""
+
+
+def _symmetric(rtt_ms: float, rate_mbit: float, loss: float, queue_kb: float | None,
+               queue_pkts: int | None) -> Link:
+    if queue_kb is None and queue_pkts is None and rate_mbit > 0:
+        queue_kb = max(64.0, rate_mbit * 1e6 / 8 * DEFAULT_QUEUE_MS / 1e3 / 1024)
+    return Link(rtt_ms / 2, rate_mbit, loss, queue_kb, queue_pkts)
+
+
+def _changed(link: Link, rtt_ms, rate_mbit, loss, queue_kb) -> Link:
+    """``link`` with the given fields replaced; a new rate moves a default-sized queue with it."""
+    rate = link.rate_mbit if rate_mbit is None else rate_mbit
+    if queue_kb is None and rate_mbit is not None and link.queue_pkts is None:
+        queue_kb = _symmetric(0.0, rate, 0.0, None, None).queue_kb
+    return Link(link.delay_ms if rtt_ms is None else rtt_ms / 2, rate, link.loss if loss is None else loss,
+                link.queue_kb if queue_kb is None else queue_kb, link.queue_pkts)
+
+
+def _check_link(link: Link) -> None:
+    if link.delay_ms < 0 or link.rate_mbit < 0 or not 0 <= link.loss <= 1:
+        raise ValueError(f"invalid link {link}")
 
 
 # -- CLI ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
 from wanlink.probe.rate import DeliveryRateEstimator
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
-from wanlink.sched.edf import EDFQueue
+from wanlink.sched.edf import EDFQueue, check_chunk_order
 
 DEFAULT_TIMEOUT = 30.0
 LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
@@ -72,7 +72,7 @@ class Link:
 
     def __init__(self, socks: list[socket.socket], *, peer: str, link_id: bytes, peer_meta: dict | None = None,
                  limits: Limits = DEFAULT_LIMITS, chunk_size: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 compress: bool = False, checksum: bool = False):
+                 compress: bool = False, checksum: bool = False, chunk_order: str = "edf"):
         if not socks:
             raise ConfigError("a link needs at least one stream")
         if timeout <= 0:
@@ -89,7 +89,7 @@ class Link:
         self.checksum = checksum
         self.name = f"{peer}/{link_id.hex()[:8]}"
         self.reassembler = Reassembler(limits)
-        self.queue = EDFQueue()
+        self.queue = EDFQueue(chunk_order)  # "fcfs": arrival order, ignoring deadlines
         self.peer_closed = False
         self.error: BaseException | None = None
         self.requeued_chunks = 0
@@ -557,16 +557,18 @@ def check_stream_count(streams) -> int:
 async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, meta: dict | None = None,
                     timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None, congestion: str | None = None,
                     sock_buffer: int | None = None, compress: bool = False, checksum: bool = False,
-                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None) -> Link:
+                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None, chunk_order: str = "edf") -> Link:
     """Open a Link of exactly ``streams`` TCP streams to a wanlink server and authenticate each one.
 
     Everything is resolved already (``wanlink.connect`` probes the path and reads the settings):
     ``chunk_size`` None is 4 MiB over loopback or Unix sockets, else the transport's default.
     ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
-    namespace only); the streams are then Unix sockets.
+    namespace only); the streams are then Unix sockets. ``chunk_order``: "edf" (deadline first) or
+    "fcfs" (arrival order) for what this side sends.
     """
     count = check_stream_count(streams)
+    check_chunk_order(chunk_order)
     chunk_size_from(chunk_size)  # a bad size fails before connecting
     key = normalize_secret(secret)
     if not key:
@@ -611,4 +613,4 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
         raise
     peer = f"{host}:{port}" if unix_name is None else f"unix:{unix_name}"
     return Link(socks, peer=peer, link_id=link_id, limits=limits, chunk_size=chunk_size,
-                timeout=timeout, compress=compress, checksum=checksum).start()
+                timeout=timeout, compress=compress, checksum=checksum, chunk_order=chunk_order).start()

@@ -13,6 +13,7 @@ from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv
 from wanlink.proto.handshake import PROBE_META_KEY, ServerHandshake, Status, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.sched.chunking import chunk_size_from
+from wanlink.sched.edf import check_chunk_order
 
 
 @dataclasses.dataclass
@@ -157,7 +158,7 @@ class Server:
         socks = [pending.socks[i] for i in range(pending.count)]
         link = Link(socks, peer=pending.peer, link_id=link_id, peer_meta=pending.meta, limits=self._limits,
                     timeout=self._timeout, **{k: v for k, v in self._link_options.items()
-                                              if k in ("chunk_size", "compress", "checksum")}).start()
+                                              if k in ("chunk_size", "compress", "checksum", "chunk_order")}).start()
         self._probe_links = {probe for probe in self._probe_links if not probe.closed}
         if link.peer_meta.get(PROBE_META_KEY):  # the transport drops probe data; the prober closes the link
             self._probe_links.add(link)
@@ -225,7 +226,7 @@ def _describe(exc: BaseException) -> str:
 async def start_server(host: str, port: int, *, on_link, secret: bytes | str, timeout: float = DEFAULT_TIMEOUT,
                        limits: Limits = DEFAULT_LIMITS, backlog: int = 128, chunk_size: int | None = None,
                        congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
-                       checksum: bool = False, unix: bool = False) -> Server:
+                       checksum: bool = False, unix: bool = False, chunk_order: str = "edf") -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
     Everything is resolved already (``wanlink.serve`` reads the settings for what it is not given).
@@ -236,6 +237,7 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
     """
     key = normalize_secret(secret)
     chunk_size_from(chunk_size)  # a bad size fails now, not at each link
+    check_chunk_order(chunk_order)
     if not key:
         log.warning("serving on %s:%s without authentication (empty secret)", host, port)
     try:
@@ -244,7 +246,7 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
     listener.setblocking(False)
     options = {"chunk_size": chunk_size, "congestion": congestion, "sock_buffer": sock_buffer,
-               "compress": compress, "checksum": checksum}
+               "compress": compress, "checksum": checksum, "chunk_order": chunk_order}
     try:
         local = unix_listener(backlog) if unix else None
     except OSError:
