@@ -3,6 +3,10 @@
     state = BlockSparseState(density=0.01, warmup_steps=50, staleness=1)
     model.register_comm_hook(state, block_sparse_hook)
 
+``density="auto"`` (with ``min_density``/``max_density``) lets a controller choose the density per
+step from the measured compute time and exchange rate (wanlink/c10d/auto_density.py): the same
+on every rank, switched between steps without losing error feedback.
+
 Per bucket, every gradient tensor is sparsified by its own BlockSparsifier (error feedback kept per
 bucket, in the state), the bucket's block-COO frames are exchanged among all ranks in one
 all-gather over the group's links, and the peers' blocks are scatter-added into the bucket and
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from wanlink.c10d.auto_density import PROPOSAL_BYTES, AutoDensity
 from wanlink.c10d.deadlines import deadline_scope
 from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, encoded_size, scatter_add_
 from wanlink.errors import ConfigError, UnsupportedError
@@ -35,12 +40,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class _BucketCodec:
     """One bucket's sparsifiers and the layout of its message: one block-COO frame per gradient."""
 
-    def __init__(self, numels: list[int], density: float):
+    def __init__(self, numels: list[int], density: float, trailer: int = 0):
         self.numels = numels
+        self.density = density
+        self.trailer = trailer  # bytes after the frames (density="auto": the sender's proposal)
         self.sparsifiers = [BlockSparsifier(n, density, BLOCK) for n in numels]
         sizes = [encoded_size(s.k, BLOCK) for s in self.sparsifiers]
         self.frame_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.message_size = int(self.frame_offsets[-1])
+        self.message_size = int(self.frame_offsets[-1]) + trailer
         self.element_offsets = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
         self._result_buffers: list[_ResultBuffer] = []
 
@@ -52,6 +59,19 @@ class _BucketCodec:
             start, end = self.frame_offsets[i], self.frame_offsets[i + 1]
             encode_blocks(indices.numpy(), values.numpy(), sparsifier.numel, block=BLOCK, out=raw[start:end])
         return message
+
+    def with_density(self, density: float) -> "_BucketCodec":
+        """A codec for the same gradients at another density, carrying over each sparsifier's residual
+        and threshold (so error feedback loses nothing); this one stays valid for exchanges in flight."""
+        codec = _BucketCodec(self.numels, density, self.trailer)
+        for new, old in zip(codec.sparsifiers, self.sparsifiers):
+            new.load_state_dict(old.state_dict())
+        return codec
+
+    def proposal_of(self, gathered: torch.Tensor, rank: int, world: int) -> float:
+        """The float64 that ``rank`` put in its trailer."""
+        row = gathered.numpy().reshape(world, self.message_size)[rank]
+        return float(row[self.message_size - PROPOSAL_BYTES:].view(np.float64)[0])
 
     def frames(self, gathered: torch.Tensor, world: int):
         """Per gradient, the decoded frames of every rank: [[BlockFrame per rank] per gradient]."""
@@ -149,10 +169,19 @@ def _blocks_of(segment: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.
 class BlockSparseState:
     """Configuration and per-bucket state of ``block_sparse_hook`` (error feedback, staleness)."""
 
-    def __init__(self, process_group=None, *, density: float = 0.01, warmup_steps: int = 0, staleness: int = 0,
-                 sparse_optimizer: bool = False):
-        if not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
-            raise ConfigError(f"density must be in (0, 1], got {density!r}")
+    def __init__(self, process_group=None, *, density: float | str = 0.01, warmup_steps: int = 0, staleness: int = 0,
+                 sparse_optimizer: bool = False, min_density: float = 0.001, max_density: float = 0.1,
+                 bandwidth=None, controller_options: dict | None = None):
+        """``density="auto"``: chosen per step within [min_density, max_density] (see
+        wanlink/c10d/auto_density.py); ``bandwidth`` (a callable of the time, in bytes/s) replaces
+        the measured exchange rate, ``controller_options`` go to ``wanlink.sched.density.DensityController``."""
+        self.auto = None
+        if density == "auto":
+            self.auto = AutoDensity(min_density=min_density, max_density=max_density, staleness=staleness,
+                                    bandwidth=bandwidth, **(controller_options or {}))
+            density = self.auto.density
+        elif not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+            raise ConfigError(f"density must be in (0, 1] or 'auto', got {density!r}")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if staleness not in (0, 1):
@@ -165,6 +194,9 @@ class BlockSparseState:
         self.iteration = 0
         self.bytes_sent = 0
         self._codecs: dict[int, _BucketCodec] = {}
+        self._sparsifier_of: dict[torch.Tensor, BlockSparsifier] = {}  # parameter -> its sparsifier now
+        self._elements: dict[int, int] = {}  # density="auto": bucket index -> elements, for the full size
+        self._auto_step: int | None = None
         # staleness: per step, where each parameter's aggregate will be: (future of its bucket, offset, numel).
         # Keyed by parameter, not bucket, because DDP rebuilds its buckets after the first step.
         self._results: dict[int, dict[torch.Tensor, tuple]] = {}
@@ -173,13 +205,35 @@ class BlockSparseState:
         self._step_to_apply: int | None = None
 
     # -- used by the hook ------------------------------------------------------------------------
-    def codec_for(self, index: int, gradients: list[torch.Tensor]) -> _BucketCodec:
+    def codec_for(self, index: int, gradients: list[torch.Tensor], params: list) -> _BucketCodec:
         numels = [g.numel() for g in gradients]
         codec = self._codecs.get(index)
         if codec is None or codec.numels != numels:  # first use, or DDP rebuilt its buckets
-            codec = _BucketCodec(numels, self.density)
+            codec = _BucketCodec(numels, self.density, PROPOSAL_BYTES if self.auto else 0)
+            for param, sparsifier in zip(params, codec.sparsifiers):
+                previous = self._sparsifier_of.get(param)
+                if previous is not None:  # the parameter's residual from its bucket before the rebuild
+                    sparsifier.load_state_dict(previous.state_dict())
+                self._sparsifier_of[param] = sparsifier
             self._codecs[index] = codec
+        elif codec.density != self.density:
+            codec = self._codecs[index] = codec.with_density(self.density)
+            self._sparsifier_of.update(zip(params, codec.sparsifiers))
         return codec
+
+    def begin_auto_step(self, iteration: int, index: int, numel: int) -> None:
+        """density="auto": at each bucket, note its size; at a step's first, take the agreed density."""
+        self._elements[index] = numel
+        if self._auto_step == iteration:
+            self.auto.bucket_called(iteration)
+            return
+        self._auto_step = iteration
+        full_bytes = encoded_size(-(-sum(self._elements.values()) // BLOCK), BLOCK) * (self.world_size() - 1)
+        self.density = self.auto.begin_step(iteration, max(full_bytes, 1))
+
+    def density_stats(self) -> dict:
+        """The density of the current step; with density="auto" also its changes and the controller's inputs."""
+        return self.auto.stats() if self.auto else {"density": self.density, "changes": []}
 
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)
@@ -273,14 +327,19 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
         return _dense_average(state, buffer)
 
     gradients = bucket.gradients()
-    codec = state.codec_for(index, gradients)
+    if state.auto:
+        state.begin_auto_step(iteration, index, buffer.numel())
+    params = list(bucket.parameters())
+    codec = state.codec_for(index, gradients, params)
     message = codec.encode(gradients)
+    if state.auto:
+        message[codec.message_size - PROPOSAL_BYTES:].numpy().view(np.float64)[0] = state.auto.proposal()
+        started = state.auto.exchange_started(iteration)
     world = state.world_size()
     gathered = torch.empty(world * codec.message_size, dtype=torch.uint8)
     with deadline_scope((iteration, -index)):
         work = _all_gather_single(gathered, message, group=state.process_group, async_op=True)
     state.bytes_sent += message.numel() * (world - 1)
-    params = list(bucket.parameters())
 
     if state.sparse_optimizer:
         def finish(_future):
@@ -294,6 +353,13 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
         def finish(_future):
             codec.average_into(gathered, world, buffer)
             return buffer
+
+    if state.auto:
+        decode, sent = finish, message.numel() * (world - 1)
+
+        def finish(future):
+            state.auto.exchange_done(iteration, started, sent, codec.proposal_of(gathered, 0, world))
+            return decode(future)
 
     exchange = work.get_future().then(finish)
     if state.sparse_optimizer:
