@@ -4,33 +4,16 @@ Needs root, /dev/net/tun, `ip` and a C compiler; skipped (with the reason) other
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from bench.wanem import WanemError, WanPath, build, check_environment
-from bench.wanem.builder import compiler
+from tests.support.netns import needs_netns
 
 RTT_MS = 20.0
 
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and TUN devices)"
-    if not os.path.exists("/dev/net/tun"):
-        return "/dev/net/tun is missing"
-    if shutil.which("ip") is None:
-        return "iproute2 'ip' is missing"
-    if compiler() is None:
-        return "no C compiler to build bench/wanem/wanem.c"
-    return None
-
-
-def needs_netns(test):
-    """Mark a test as needing namespaces; skip it with the reason when they are unavailable."""
-    return pytest.mark.netns(pytest.mark.skipif(_missing() is not None, reason=_missing() or "")(test))
 
 # Echo server for namespace B: prints its port, then echoes each connection until EOF.
 SERVER = r"""
@@ -195,14 +178,14 @@ def test_changing_a_running_path_keeps_the_connection_and_applies_the_new_shape(
         assert ask("rtt")["rtt_s"] >= RTT_MS / 1e3
         client.stdin.close()
         assert client.wait(timeout=10) == 0  # the one connection carried everything
+        assert path.changes == 3
         srv.terminate()
-    assert path.changes == 3
 
 
 def test_a_change_keeps_unnamed_fields_and_moves_the_default_queue():
-    from bench.wanem.netns import _changed, _symmetric
+    from bench.wanem.netns import changed_link, wan_link
 
-    link = _symmetric(40.0, 500.0, 0.01, None, None)
-    faster = _changed(link, None, 1000.0, None, None)
+    link = wan_link(40.0, 500.0, 0.01, None, None)
+    faster = changed_link(link, rate_mbit=1000.0)
     assert (faster.delay_ms, faster.loss) == (20.0, 0.01) and faster.queue_kb == 2 * link.queue_kb
-    assert _changed(link, 100.0, None, None, None).queue_kb == link.queue_kb
+    assert changed_link(link, rtt_ms=100.0).queue_kb == link.queue_kb
