@@ -9,7 +9,7 @@ is both ranks computing with no communication. Reports, per phase, the median it
 against that floor and the density in use; writes a PNG of iteration time and density over time
 with the schedule drawn, and JSON. Needs root.
 
-    python3 dev.py bench bench/adaptive.py [--phase-s 20] [--rates 500 100 1000 250] [--rtt-ms 40]
+    python3 dev.py bench bench/adaptive.py [--phase-s 20] [--rates 500 100 1000 250] [--rtt-ms 40] [--publish]
 """
 from __future__ import annotations
 
@@ -154,8 +154,8 @@ def phase_rows(row: dict, rates: list[float], phase_s: float, floor_s: float) ->
     return out
 
 
-def plot(rows: list[dict], rates: list[float], phase_s: float, floor_s: float, out: str) -> Path:
-    from bench.reporting import new_figure, save_figure
+def plot(run, rows: list[dict], rates: list[float], phase_s: float, floor_s: float, name: str) -> Path:
+    from bench.reporting import new_figure
 
     fig, (ax_time, ax_density) = new_figure(2, 1, figsize=(11, 8))
     edges = [i * phase_s for i in range(len(rates) + 1)]
@@ -180,11 +180,11 @@ def plot(rows: list[dict], rates: list[float], phase_s: float, floor_s: float, o
         for ax in (ax_time, ax_density):
             ax.axvline(edge, color="grey", linewidth=0.5)
     ax_density.legend(fontsize=7)
-    return save_figure(fig, out)
+    return run.save_figure(fig, name)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import print_table, save_json
+    from bench.reporting import Run, add_output_options, print_table
     from bench.wanem.netns import WanPath
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[500, 100, 1000, 250])
     parser.add_argument("--phase-s", type=float, default=30.0)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--out", default="adaptive", help="result name under bench/results/ (JSON and PNG)")
+    parser.add_argument("--name", default="adaptive", help="file name of the JSON and PNG")
+    add_output_options(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--variant", "--master", "--rank-out", "--address", "--start-file"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -204,26 +205,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    load_before = os.getloadavg()
+    run = Run(args)
     runs = []
     with WanPath(rtt_ms=args.rtt_ms, rate_mbit=args.rates[0]) as path:
         for run in (path.run_a, path.run_b):  # as e2e_training: no slow start after an idle gap
             run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
-        for index, name in enumerate(args.variants):
-            runs.append(run_variant(path, name, args.rates, args.phase_s, args.port + index))
-            print(f"{name}: {len(runs[-1]['records'])} iterations", flush=True)
+        for index, variant in enumerate(args.variants):
+            runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index))
+            print(f"{variant}: {len(runs[-1]['records'])} iterations", flush=True)
     floor_run = next((r for r in runs if r["backend"] is None), None)
     floor_s = (statistics.median(r["seconds"] for r in floor_run["records"][2:]) if floor_run else float("nan"))
     rows = [p for r in runs if r["backend"] is not None for p in phase_rows(r, args.rates, args.phase_s, floor_s)]
     print(f"\n2 ranks, {args.rtt_ms:g} ms RTT, phases of {args.phase_s:g} s at {args.rates} Mbit/s; compute floor "
-          f"{floor_s:.3f} s/iteration; load before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+          f"{floor_s:.3f} s/iteration; load before {run.load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     print_table([{k: ("" if v is None else v) for k, v in row.items()} for row in rows], [("variant", "variant", ""), ("rate_mbit", "Mbit/s", "g"), ("iterations", "iters", "d"),
                        ("median_iteration_s", "s/iteration", ".3f"), ("x_floor", "x floor", ".2f"),
                        ("median_density", "density", ".4g")])
-    save_json(args.out, {"phases": rows, "runs": runs, "floor_s": floor_s, "rates_mbit": args.rates,
-                         "phase_s": args.phase_s, "rtt_ms": args.rtt_ms, "auto_bounds": AUTO_BOUNDS,
-                         "load_before": load_before, "load_after": os.getloadavg()})
-    print("wrote", plot(runs, args.rates, args.phase_s, floor_s, args.out))
+    run.save_json(args.name, {"phases": rows, "runs": runs, "floor_s": floor_s, "rates_mbit": args.rates,
+                              "phase_s": args.phase_s, "rtt_ms": args.rtt_ms, "auto_bounds": AUTO_BOUNDS})
+    print("wrote", plot(run, runs, args.rates, args.phase_s, floor_s, args.name))
     return 0
 
 
