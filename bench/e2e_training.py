@@ -96,13 +96,16 @@ def worker(args) -> None:
     state = None
     clock = {"hook_s": 0.0, "returned": None}
     if variant["density"] is not None:
+        # SGD's momentum goes into the hook unless SparseSGD keeps it (docs/sparse.md)
         state = BlockSparseState(density=variant["density"], staleness=variant["staleness"],
-                                 sparse_optimizer=variant["sparse_optimizer"])
+                                 sparse_optimizer=variant["sparse_optimizer"],
+                                 momentum=0.0 if variant["sparse_optimizer"] else 0.9)
         ddp.register_comm_hook(state, timed(block_sparse_hook, clock))
     elif variant["fp16_wire"]:
         ddp.register_comm_hook(None, fp16_compress_hook)
+    momentum = 0.0 if state is not None and state.momentum else 0.9
     optimizer = (SparseSGD if variant["sparse_optimizer"] else torch.optim.SGD)(ddp.parameters(), lr=0.01,
-                                                                                momentum=0.9)
+                                                                                momentum=momentum)
     data = torch.Generator().manual_seed(args.rank)
     inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
     with torch.no_grad():
