@@ -15,6 +15,7 @@ bench/results/fidelity.{json,png}.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -118,11 +119,13 @@ def momentum_norm(optimizer, state) -> float:
 
 
 def run_job(job: dict, rank: int, world: int, group) -> dict:
+    from wanlink.errors import ConfigError
+
     shape = SHAPES[job["shape"]]
     task = Task(shape, job["seed"], rank, world)
     try:
         ddp, state, optimizer, step = make_training(job, task.model, group)
-    except Exception as error:  # noqa: BLE001 - a refused combination is a result of the matrix
+    except ConfigError as error:  # a refused combination is a result of the matrix
         return {**job, "refused": f"{type(error).__name__}: {error}"}
     every = max(1, shape.steps // EVALUATIONS)
     curve, trace = [], []
@@ -144,8 +147,10 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
                               "momentum_norm": momentum_norm(optimizer, state)})
             if (iteration + 1) % every == 0 or last:
                 curve.append({"step": iteration + 1, "metric": task.evaluate(), "loss": loss.item()})
-    except Exception as error:  # noqa: BLE001 - e.g. refused at the first optimizer step
+    except ConfigError as error:  # refused at the first optimizer step
         return {**job, "refused": f"{type(error).__name__}: {error}"}
+    except Exception as error:  # noqa: BLE001 - e.g. diverged to NaN: a failed cell, not a crash of the matrix
+        return {**job, "failed": f"{type(error).__name__}: {error}"}
     return {**job, "final": curve[-1]["metric"], "curve": curve, "trace": trace,
             "seconds": time.perf_counter() - start, "bytes_sent": state.bytes_sent if state else None}
 
@@ -218,17 +223,19 @@ def summarise(runs: list[dict]) -> list[dict]:
         if refused:
             rows.append({**row, "verdict": "refused", "message": refused[0]})
             continue
-        finals = [r["final"] for r in cell]
+        finals = [r.get("final", math.nan) for r in cell]  # a failed seed (NaN) is the worst
         baseline = [r["final"] for r in runs if r["shape"] == shape_name and r["mode"] == "dense"
                     and r["optimizer"] == OPTIMIZERS.get(optimizer, optimizer) and "final" in r]
         dense_mean = statistics.fmean(baseline)
-        worst = min(finals) if shape.metric == "accuracy" else max(finals)
+        failed = [r["failed"] for r in cell if "failed" in r]
+        worst = math.nan if failed else min(finals) if shape.metric == "accuracy" else max(finals)
         if shape.metric == "accuracy":
             within = worst >= dense_mean - TOLERANCE["accuracy"]
         else:
             within = worst <= dense_mean * (1 + TOLERANCE["loss"])
         rows.append({**row, "metric": shape.metric, "mean": statistics.fmean(finals), "worst": worst,
-                     "dense_mean": dense_mean, "verdict": "ok" if within else "MISSED"})
+                     "dense_mean": dense_mean, "verdict": "ok" if within and not failed else "MISSED",
+                     **({"message": failed[0]} if failed else {})})
     return rows
 
 
@@ -267,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = matrix_jobs(args.shapes, list(range(args.seeds)))
 
     def progress(outcome):
-        result = outcome.get("final", outcome.get("refused", "")[:60])
+        result = outcome.get("final", outcome.get("refused", outcome.get("failed", ""))[:60])
         print(f"  {outcome['shape']} seed {outcome['seed']} {outcome['mode']} {outcome['optimizer']}: {result}",
               flush=True)
 
