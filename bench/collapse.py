@@ -1,7 +1,8 @@
-"""The collapse of momentum SGD behind the block-sparse hook, and its fix, on the issue's own setup.
+"""The collapse of momentum SGD behind the block-sparse hook, and its fix.
 
-A ~24M-parameter MLP on digits, 2 ranks over loopback, batch 16 per rank, 1 % density,
-staleness 1, 50 dense warm-up steps (README's configuration), SGD lr 0.01 momentum 0.9. Variants:
+A digits MLP (``--shape digits-mlp-24m``: the issue's ~24M-parameter one, slow on 2 cores), 2 ranks
+over loopback, batch 16 per rank, 1 % density, staleness 1, 50 dense warm-up steps (README's
+configuration), SGD momentum 0.9 (the shape's learning rate). Variants:
 dense gloo DDP; the sparse hook behind torch.optim.SGD(momentum=0.9)'s arithmetic (which the hook
 now refuses, so it runs as ``UncheckedMomentumSGD``); the same with the momentum in the hook
 (``BlockSparseState(momentum=0.9)`` + ``SGD(momentum=0)``); and SparseSGD. Per step it records
@@ -9,7 +10,7 @@ the loss, the norm of the parameter update and the norm of every momentum buffer
 and the hook's velocities); the uncorrected variant runs every seed, the others the seed whose
 uncorrected run ended worst. Writes bench/results/collapse.{json,png}.
 
-    python3 dev.py bench bench/collapse.py [--seeds 0 1 2] [--steps 450]
+    python3 dev.py bench bench/collapse.py [--shape digits-mlp] [--seeds 0 1 2] [--steps 600]
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import fidelity_models  # noqa: E402
 from bench.fidelity import run_jobs  # noqa: E402
 
-SHAPE = "digits-mlp-24m"
 WARMUP = 50
 VARIANTS = (("dense", "sgd", "dense gloo, SGD momentum 0.9"),
             ("sparse s1", "sgd-uncorrected", "sparse 1 % stale-1, SGD momentum 0.9 in the optimizer (refused now)"),
@@ -44,14 +44,18 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=fidelity_models.SHAPES[SHAPE].steps)
+    parser.add_argument("--shape", default="digits-mlp", choices=("digits-mlp", "digits-mlp-24m"))
+    parser.add_argument("--steps", type=int, default=None, help="default: the shape's own")
     args = parser.parse_args(argv)
-    fidelity_models.SHAPES[SHAPE] = dataclasses.replace(fidelity_models.SHAPES[SHAPE], steps=args.steps)
+    shape = args.shape
+    if args.steps:
+        fidelity_models.SHAPES[shape] = dataclasses.replace(fidelity_models.SHAPES[shape], steps=args.steps)
+    steps = fidelity_models.SHAPES[shape].steps
     load_before = os.getloadavg()
     started = time.perf_counter()
 
     def job(mode, optimizer, seed):
-        return {"shape": SHAPE, "seed": seed, "mode": mode, "optimizer": optimizer, "warmup": WARMUP, "trace": True}
+        return {"shape": shape, "seed": seed, "mode": mode, "optimizer": optimizer, "warmup": WARMUP, "trace": True}
 
     def show(run):
         print(f"  seed {run['seed']} {run['mode']} {run['optimizer']}: {run.get('final', run.get('refused'))}",
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.perf_counter() - started) / 60
     print(f"failing seed {failing}; {minutes:.1f} min; load average before {load_before[0]:.2f}, "
           f"after {os.getloadavg()[0]:.2f}")
-    save_json("collapse", {"shape": SHAPE, "steps": args.steps, "warmup_steps": WARMUP, "failing_seed": failing,
+    save_json("collapse", {"shape": shape, "steps": steps, "warmup_steps": WARMUP, "failing_seed": failing,
                            "load_before": load_before, "load_after": os.getloadavg(), "rows": rows, "runs": runs})
 
     fig, axes = new_figure(4, 1, figsize=(9, 11), sharex=True)
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     axes[1].set_yscale("log")
     axes[3].set_yscale("log")
     axes[3].set_xlabel("step")
-    axes[0].set_title(f"{SHAPE}, seed {failing}, 2 ranks, batch 16 per rank (dotted: end of dense warm-up)")
+    axes[0].set_title(f"{shape}, seed {failing}, 2 ranks, batch 16 per rank (dotted: end of dense warm-up)")
     axes[0].legend(fontsize=7)
     print("wrote", save_figure(fig, "collapse"))
     return 0
