@@ -17,15 +17,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 VARIANTS = {
     "dense gloo": {"backend": "gloo", "density": None, "staleness": 0},
     "sparse wanlink": {"backend": "wanlink", "density": 0.01, "staleness": 0},
     "sparse wanlink stale-1": {"backend": "wanlink", "density": 0.01, "staleness": 1},
 }
+
+
+def load_split(seed: int = 0):
+    """scikit-learn's bundled digits as float tensors: (train_x, train_y, test_x, test_y), a fixed 80/20 split."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    features = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(labels))
+    train, test = order[:cut], order[cut:]
+    return features[train], labels[train], features[test], labels[test]
 
 
 def make_model() -> torch.nn.Module:
@@ -38,7 +51,6 @@ def train_rank(rank: int, world: int, init_file: str, variant: dict, epochs: int
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import wanlink  # noqa: F401 - registers the backend
-    from wanlink.cli.demo import load_split
     from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
 
     torch.set_num_threads(1)

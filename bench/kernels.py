@@ -30,12 +30,12 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench.reporting import new_figure, print_table, save_figure, save_json  # noqa: E402
-from wanlink import kernels  # noqa: E402
-from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, scatter_add_  # noqa: E402
-from wanlink.optim import SparseSGD  # noqa: E402
+from bench.reporting import new_figure, print_table, save_figure, save_json
+from wanlink import kernels
+from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, scatter_add_
+from wanlink.optim import SparseSGD
 
 BLOCK = 16
 WARM_UP_SECONDS = 0.002

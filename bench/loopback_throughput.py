@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import wanlink  # noqa: E402
-from bench.reporting import new_figure, print_table, save_figure, save_json  # noqa: E402
-from wanlink.io.runtime import new_event_loop  # noqa: E402
+import wanlink
+from bench.reporting import new_figure, print_table, save_figure, save_json
+from wanlink.io.runtime import new_event_loop
 
 MiB = 1024 * 1024
 SECRET = b"bench"

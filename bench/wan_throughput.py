@@ -108,7 +108,7 @@ def run_iperf3(path, streams: int, seconds: float, window: str | None) -> dict:
 
 
 def run_wanlink(path, streams: int | None, seconds: float, window: str | None) -> dict:
-    cli = [sys.executable, "-m", "wanlink.cli.iperf"]
+    cli = [sys.executable, "-m", "wanlink.iperf"]
     server_argv = cli + ["-s", "-1", "-B", path.addr_b, "-p", str(PORT), "-i", "0"]
     if window:  # wanlink links take socket options from each side's own -w (the server's is per server)
         server_argv += ["-w", window]

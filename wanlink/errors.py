@@ -14,13 +14,25 @@ class ConfigError(WanlinkError, ValueError):
 
 
 class ProtocolError(WanlinkError, ValueError):
-    """The peer sent bytes that violate the wire protocol (malformed frame or message)."""
+    """The wire protocol was broken: by the peer (:class:`RemoteProtocolError`) or by this side
+    (:class:`LocalProtocolError`)."""
 
 
-class LimitExceeded(ProtocolError):
-    """A hard limit (frame size, transfer size, streams, pending transfers) would be exceeded.
+class LocalProtocolError(ProtocolError):
+    """This side misused the protocol: drove a protocol state machine in the wrong state or with
+    the wrong input, or asked to send what the protocol cannot carry (an oversize control message,
+    transfer or handshake metadata). A bug or bad input here, not the peer's fault."""
 
-    ``limit`` names the limit, ``value`` is what was asked and ``maximum`` the bound.
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that violate the wire protocol (malformed frame, message or handshake)."""
+
+
+class LimitExceeded(RemoteProtocolError):
+    """The peer exceeded a hard limit (frame size, transfer size, streams, pending transfers).
+
+    ``limit`` names the limit, ``value`` is what was asked and ``maximum`` the bound. (When this
+    side would exceed one, by sending, that is a :class:`LocalProtocolError` naming the limit.)
     """
 
     def __init__(self, limit: str, value: int, maximum: int, context: str = ""):

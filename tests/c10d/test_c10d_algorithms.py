@@ -251,3 +251,60 @@ def test_chain_broadcast_sends_one_piece_before_the_successor_is_ready():
     results = run_members(3, member)
     assert piece_count(numel, 4, 64) > 2 and sent_early == [1]
     assert all(torch.equal(result, data(0, numel)) for result in results)
+
+
+class RankZeroComm:
+    """Member 0 of three for the monitored barrier: member 1 reports, member 2 behaves as ``two``
+    says ("fails": its link is lost; "silent": never reports)."""
+
+    rank, size, piece_bytes = 0, 3, 1 << 20
+
+    def __init__(self, two: str):
+        self.two = two
+
+    async def send(self, peer, tensor, piece=0):
+        pass
+
+    async def recv(self, peer, tensor, piece=0):
+        if peer == 2 and self.two == "fails":
+            from wanlink.errors import PeerLost
+            raise PeerLost("wanlink: the link to rank 2 closed")
+        if peer == 2:
+            await asyncio.Event().wait()
+        tensor.fill_(1)
+
+
+@pytest.mark.parametrize("wait_all_ranks", [False, True])
+def test_monitored_barrier_tells_a_lost_link_from_a_rank_that_did_not_arrive(wait_all_ranks):
+    from wanlink.errors import DeadlineExceeded, PeerLost
+
+    with pytest.raises(PeerLost, match=r"link to rank\(s\) \[2\] failed") as lost:
+        asyncio.run(direct.monitored_barrier(RankZeroComm("fails"), 30, wait_all_ranks))
+    assert "did not reach" not in str(lost.value)
+    with pytest.raises(DeadlineExceeded, match=r"timed out after 0.05 s: rank\(s\) \[2\] did not reach the barrier"):
+        asyncio.run(direct.monitored_barrier(RankZeroComm("silent"), 0.05, wait_all_ranks))
+
+
+def random_coo(rank, shape, density, dtype=torch.float32, sparse_dim=None):
+    """A coalesced random sparse tensor (integer-valued, so sums are exact in any order)."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    sparse_dim = len(shape) if sparse_dim is None else sparse_dim
+    dense = torch.randint(-5, 6, shape, generator=generator).to(dtype)
+    keep = torch.rand(shape[:sparse_dim], generator=generator) < density
+    dense[~keep] = 0
+    return dense.to_sparse(sparse_dim)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("shape,sparse_dim", [((40,), 1), ((12, 9), 2), ((10, 3, 2), 1)])
+@pytest.mark.parametrize("density", [0.0, 0.1, 1.0])
+def test_sparse_allreduce_sums_every_members_nonzeros(size, shape, sparse_dim, density):
+    from wanlink.collectives import sparse
+
+    inputs = [random_coo(rank, shape, density, sparse_dim=sparse_dim) for rank in range(size)]
+    results = run_members(size, lambda comm: sparse.allreduce_coo(comm, inputs[comm.rank]))
+    expected = sum(tensor.to_dense() for tensor in inputs)
+    for result in results:
+        assert result.is_coalesced() and result.sparse_dim() == sparse_dim
+        assert torch.equal(result.to_dense(), expected)
+        assert torch.equal(result.indices(), results[0].indices()) and torch.equal(result.values(), results[0].values())

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from c10d_worlds import run_world
+from tests.support.worlds import run_world
 
 R = dist.ReduceOp
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]

@@ -4,12 +4,7 @@
 block-sparse hook, and the same with partial staleness 1 (bench/convergence.py, which also
 writes the curves).
 """
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.convergence import VARIANTS, run_variant  # noqa: E402
+from bench.convergence import VARIANTS, run_variant
 
 EPOCHS = 30
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from c10d_worlds import run_world
+from tests.support.worlds import run_world
 from wanlink.errors import ConfigError
 
 STEPS = 6  # enough for the stale result buffers (two per bucket) to be reused after the bucket rebuild

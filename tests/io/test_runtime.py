@@ -8,7 +8,7 @@ import pytest
 import wanlink
 from wanlink.errors import DeadlineExceeded
 from wanlink.io.runtime import Runtime, get_runtime, shutdown_runtime
-from tests.io.conftest import open_pair
+from tests.support.links import open_pair
 
 
 def open_fds() -> int:
@@ -81,21 +81,7 @@ def test_run_from_the_loop_thread_is_refused():
         runtime.close()
 
 
-def test_streams_from_environment(monkeypatch):
-    from wanlink.errors import ConfigError
-    from wanlink.io.link import stream_count_from
-
-    monkeypatch.setenv("WANLINK_STREAMS", "8")
-    assert stream_count_from(None) == 8
-    assert stream_count_from(2) == 2
-    monkeypatch.setenv("WANLINK_STREAMS", "auto")
-    assert stream_count_from(None) is None
-    monkeypatch.setenv("WANLINK_STREAMS", "many")
-    with pytest.raises(ConfigError):
-        stream_count_from(None)
-
-
 def test_public_api_is_importable_lazily():
     assert callable(wanlink.connect) and callable(wanlink.serve) and callable(wanlink.stats)
     with pytest.raises(AttributeError):
-        wanlink.not_a_thing
+        _ = wanlink.not_a_thing

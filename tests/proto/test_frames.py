@@ -6,7 +6,7 @@ import zlib
 import lz4.block
 import pytest
 
-from wanlink.errors import LimitExceeded, ProtocolError
+from wanlink.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from wanlink.proto.frames import (
     CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, AckReceived, ChunkReceived, CloseReceived, ControlReceived,
     Flags, FrameDecoder, FrameType, PingReceived, ack_header, control_header, data_header, parse_header,
@@ -96,13 +96,13 @@ def test_lz4_and_checksum_payloads():
 
 def test_checksum_mismatch_is_a_protocol_error():
     dec, _ = decoder()
-    with pytest.raises(ProtocolError, match="checksum"):
+    with pytest.raises(RemoteProtocolError, match="checksum"):
         dec.feed(data_header(1, 0, 3, 0, 3, flags=Flags.CHECKSUM, checksum=zlib.crc32(b"abc") ^ 1) + b"abc")
 
 
 def test_corrupt_lz4_is_a_protocol_error():
     dec, _ = decoder()
-    with pytest.raises(ProtocolError, match="lz4"):
+    with pytest.raises(RemoteProtocolError, match="lz4"):
         dec.feed(data_header(1, 0, 100, 0, 5, flags=Flags.LZ4, raw_len=100) + b"\xff\xff\xff\xff\xff")
 
 
@@ -114,21 +114,21 @@ def _fields(**changes):
 
 
 @pytest.mark.parametrize("raw, error, match", [
-    (_fields(type=0), ProtocolError, "unknown frame type"),
-    (_fields(type=99), ProtocolError, "unknown frame type"),
-    (_fields(reserved=1), ProtocolError, "reserved"),
-    (_fields(flags=0x80), ProtocolError, "unknown frame flags"),
+    (_fields(type=0), RemoteProtocolError, "unknown frame type"),
+    (_fields(type=99), RemoteProtocolError, "unknown frame type"),
+    (_fields(reserved=1), RemoteProtocolError, "reserved"),
+    (_fields(flags=0x80), RemoteProtocolError, "unknown frame flags"),
     (_fields(total=(1 << 20) + 1), LimitExceeded, "max_transfer_size"),
     (_fields(wire_len=(1 << 16) + 1, raw_len=(1 << 16) + 1, total=1 << 20), LimitExceeded, "max_frame_payload"),
     (_fields(flags=Flags.LZ4, wire_len=(1 << 16) + 1, total=1 << 20), LimitExceeded, "max_frame_payload"),
-    (_fields(offset=95), ProtocolError, "outside message"),
-    (_fields(wire_len=9), ProtocolError, "wire_len"),
-    (_fields(checksum=5), ProtocolError, "checksum set without"),
-    (_fields(type=FrameType.ACK, wire_len=4), ProtocolError, "payload"),
-    (_fields(type=FrameType.PING, wire_len=1, raw_len=0), ProtocolError, "payload"),
-    (_fields(type=FrameType.CLOSE, flags=1, wire_len=0), ProtocolError, "flags"),
+    (_fields(offset=95), RemoteProtocolError, "outside message"),
+    (_fields(wire_len=9), RemoteProtocolError, "wire_len"),
+    (_fields(checksum=5), RemoteProtocolError, "checksum set without"),
+    (_fields(type=FrameType.ACK, wire_len=4), RemoteProtocolError, "payload"),
+    (_fields(type=FrameType.PING, wire_len=1, raw_len=0), RemoteProtocolError, "payload"),
+    (_fields(type=FrameType.CLOSE, flags=1, wire_len=0), RemoteProtocolError, "flags"),
     (_fields(type=FrameType.CONTROL, wire_len=1025, raw_len=1025), LimitExceeded, "max_control_size"),
-    (_fields(type=FrameType.ACK, wire_len=0, offset=95), ProtocolError, "outside"),
+    (_fields(type=FrameType.ACK, wire_len=0, offset=95), RemoteProtocolError, "outside"),
 ])
 def test_every_malformed_field_is_rejected_before_payload(raw, error, match):
     placed = []
@@ -147,16 +147,42 @@ def test_limit_error_names_the_limit():
     assert "max_transfer_size" in str(info.value)
 
 
-def test_advance_beyond_offered_buffer_is_refused():
+def test_advance_beyond_offered_buffer_is_local_misuse():
     dec, _ = decoder()
-    with pytest.raises(ValueError):
+    with pytest.raises(LocalProtocolError, match="beyond"):
         dec.advance(HEADER_SIZE + 1)
 
 
+def test_a_placer_returning_the_wrong_size_is_local_misuse():
+    dec = FrameDecoder(lambda header: memoryview(bytearray(header.raw_len - 1)), LIMITS)
+    with pytest.raises(LocalProtocolError, match="wrong size"):
+        dec.feed(data_frame(1, 0, 64, 0, bytes(64)))
+
+
+def _decode(blob, piece_sizes):
+    """Feed ``blob`` in consecutive, non-overlapping pieces; returns (events as comparable tuples, error type)."""
+    dec, _ = decoder()
+    events, start = [], 0
+    try:
+        for size in piece_sizes:
+            if start >= len(blob):
+                break
+            events += [(type(e).__name__, getattr(e, "header", None)) for e in dec.feed(blob[start:start + size])]
+            start += size
+    except RemoteProtocolError as exc:  # LimitExceeded is one too; local misuse; anything else fails the test
+        return events, type(exc)
+    assert start >= len(blob), "pieces did not cover the input"
+    return events, None
+
+
 def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():
+    """Every byte is fed exactly once, and how the bytes are split never changes what is decoded."""
     rng = random.Random(1234)
-    valid = [data_frame(1, 0, 64, 0, bytes(64)), PING_FRAME, ack_header(1, 0, 64, 0, 64), control_header(2) + b"\x91\x01",
-             data_header(2, 0, 100, 0, 7, flags=Flags.LZ4, raw_len=100) + lz4.block.compress(bytes(100), store_size=False)[:7]]
+    valid = [data_frame(1, 0, 64, 0, bytes(64)), PING_FRAME, ack_header(1, 0, 64, 0, 64),
+             control_header(2) + b"\x91\x01",
+             data_header(2, 0, 100, 0, 7, flags=Flags.LZ4, raw_len=100)
+             + lz4.block.compress(bytes(100), store_size=False)[:7]]
+    outcomes = set()
     for trial in range(3000):
         if trial % 3 == 0:
             blob = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200)))
@@ -165,12 +191,17 @@ def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():
             for _ in range(rng.randint(1, 6)):
                 blob[rng.randrange(len(blob))] = rng.getrandbits(8)
             blob = bytes(blob)
-        dec, _ = decoder()
-        try:
-            for start in range(0, len(blob), rng.randint(1, 50)):
-                dec.feed(blob[start:start + 50])
-        except ProtocolError:
-            pass  # LimitExceeded is a ProtocolError too; anything else fails the test
+        bytewise_events, bytewise_error = _decode(blob, [1] * len(blob))
+        events, error = _decode(blob, [rng.randint(1, 50) for _ in range(len(blob))])
+        assert error is bytewise_error, f"trial {trial}: {error} split randomly, {bytewise_error} byte by byte"
+        if error is None:
+            assert events == bytewise_events, f"trial {trial}"
+        else:  # a feed() that raises drops the events completed earlier in the same piece
+            assert events == bytewise_events[:len(events)], f"trial {trial}"
+        outcomes.add(error)
+        outcomes.update(name for name, _ in bytewise_events)
+    # the fuzz reached both the decoding paths and the rejections
+    assert {None, RemoteProtocolError, LimitExceeded, "ChunkReceived", "PingReceived"} <= outcomes
 
 
 def test_fuzz_never_allocates_beyond_limits():
@@ -188,6 +219,6 @@ def test_fuzz_never_allocates_beyond_limits():
                           rng.getrandbits(13), length, length, 0)
         try:
             FrameDecoder(place, dec_limits).feed(raw)
-        except ProtocolError:
+        except RemoteProtocolError:
             pass
     assert sizes and max(sizes) <= 4096

@@ -4,7 +4,9 @@ import random
 
 import pytest
 
-from wanlink.errors import AuthenticationError, ConfigError, LimitExceeded, ProtocolError
+from wanlink.errors import (
+    AuthenticationError, ConfigError, LimitExceeded, LocalProtocolError, ProtocolError, RemoteProtocolError,
+)
 from wanlink.proto.handshake import (
     CHALLENGE, HELLO, MAGIC, ClientHandshake, ServerHandshake, Status, normalize_secret,
 )
@@ -104,14 +106,14 @@ def _hello(**changes):
 
 
 @pytest.mark.parametrize("raw, error, match", [
-    (_hello(magic=b"HTTP"), ProtocolError, "magic"),
-    (_hello(version=2), ProtocolError, "version"),
-    (_hello(flags=1), ProtocolError, "flags"),
+    (_hello(magic=b"HTTP"), RemoteProtocolError, "magic"),
+    (_hello(version=2), RemoteProtocolError, "version"),
+    (_hello(flags=1), RemoteProtocolError, "flags"),
     (_hello(count=65), LimitExceeded, "max_streams"),
-    (_hello(index=2, count=2), ProtocolError, "out of range"),
-    (_hello(count=0), ProtocolError, "out of range"),
+    (_hello(index=2, count=2), RemoteProtocolError, "out of range"),
+    (_hello(count=0), RemoteProtocolError, "out of range"),
     (_hello(meta_len=5000), LimitExceeded, "max_meta_size"),
-    (_hello(index=1, meta_len=4), ProtocolError, "only stream 0"),
+    (_hello(index=1, meta_len=4), RemoteProtocolError, "only stream 0"),
 ])
 def test_malformed_hello_is_rejected(raw, error, match):
     with pytest.raises(error, match=match):
@@ -122,20 +124,36 @@ def test_malformed_hello_is_rejected(raw, error, match):
 def test_malformed_meta_is_rejected(meta):
     server = ServerHandshake(b"k")
     server.receive(_hello(meta_len=len(meta)))
-    with pytest.raises(ProtocolError, match="metadata"):
+    with pytest.raises(RemoteProtocolError, match="metadata"):
         server.receive(meta)
 
 
-def test_wrong_message_size_is_refused():
-    with pytest.raises(ProtocolError):
+def test_feeding_the_wrong_number_of_bytes_is_local_misuse():
+    with pytest.raises(LocalProtocolError, match=f"expected {HELLO.size} bytes, got 5"):
         ServerHandshake(b"k").receive(b"short")
     client = ClientHandshake(b"k", LINK_ID, 0, 1)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LocalProtocolError, match="got 5"):
         client.receive(b"x" * 5)
 
 
-@pytest.mark.parametrize("status, error", [(Status.REJECTED, AuthenticationError), (Status.BUSY, ProtocolError),
-                                            (Status.BAD_STREAM, ProtocolError), (Status.VERSION_MISMATCH, ProtocolError)])
+def test_driving_a_finished_handshake_is_local_misuse():
+    client, server = ClientHandshake(b"k", LINK_ID, 0, 1), ServerHandshake(b"k")
+    run(client, server)
+    for side in (client, server):
+        with pytest.raises(LocalProtocolError, match="already finished"):
+            side.receive(b"")
+
+
+def test_local_and_remote_protocol_errors_are_distinct_protocol_errors():
+    assert issubclass(LocalProtocolError, ProtocolError) and issubclass(RemoteProtocolError, ProtocolError)
+    assert issubclass(LimitExceeded, RemoteProtocolError) and issubclass(ProtocolError, ValueError)
+    assert not issubclass(LocalProtocolError, RemoteProtocolError)
+    assert not issubclass(RemoteProtocolError, LocalProtocolError)
+
+
+@pytest.mark.parametrize("status, error", [(Status.REJECTED, AuthenticationError), (Status.BUSY, RemoteProtocolError),
+                                            (Status.BAD_STREAM, RemoteProtocolError),
+                                            (Status.VERSION_MISMATCH, RemoteProtocolError)])
 def test_client_reports_server_refusal(status, error):
     client = ClientHandshake(b"k", LINK_ID, 0, 1)
     server = ServerHandshake(b"k")
@@ -148,13 +166,13 @@ def test_client_reports_refusal_in_result_byte():
     client = ClientHandshake(b"k", LINK_ID, 0, 1)
     server = ServerHandshake(b"k")
     client.receive(server.receive(client.hello()))
-    with pytest.raises(ProtocolError, match="inconsistent"):
+    with pytest.raises(RemoteProtocolError, match="inconsistent"):
         client.receive(bytes([Status.BAD_STREAM]))
 
 
 def test_client_rejects_non_wanlink_server():
     client = ClientHandshake(b"k", LINK_ID, 0, 1)
-    with pytest.raises(ProtocolError, match="not a wanlink server"):
+    with pytest.raises(RemoteProtocolError, match="not a wanlink server"):
         client.receive(b"SSH-" + bytes(CHALLENGE.size - 4))
 
 
@@ -179,19 +197,16 @@ def test_fuzzed_hello_only_raises_typed_errors():
 def test_secret_normalisation(monkeypatch):
     assert normalize_secret("abc") == b"abc"
     assert normalize_secret(b"abc") == b"abc"
-    monkeypatch.setenv("WANLINK_SECRET", "fromenv")
-    assert normalize_secret(None) == b"fromenv"
-    monkeypatch.delenv("WANLINK_SECRET")
-    with pytest.raises(ConfigError, match="WANLINK_SECRET"):
-        normalize_secret(None)
-    with pytest.raises(ConfigError):
-        normalize_secret(123)
+    monkeypatch.setenv("WANLINK_SECRET", "fromenv")  # the protocol never reads it (the edges do)
+    for bad in (None, 123):
+        with pytest.raises(ConfigError, match="secret must be bytes or str"):
+            normalize_secret(bad)
 
 
 def test_client_validates_its_own_arguments():
     with pytest.raises(ConfigError):
         ClientHandshake(b"k", LINK_ID, 4, 4)
-    with pytest.raises(LimitExceeded):
+    with pytest.raises(LocalProtocolError, match="handshake metadata: 50.. > 4096.*max_meta_size"):
         ClientHandshake(b"k", LINK_ID, 0, 1, {"x": "y" * 5000})
 
 

@@ -1,14 +1,14 @@
 """Receiver bookkeeping: matching, staging, duplicates, size errors and limits (no sockets)."""
 import pytest
 
-from wanlink.errors import LimitExceeded, MessageSizeError, ProtocolError
-from wanlink.proto.frames import FrameType, Header
+from wanlink.errors import LimitExceeded, LocalProtocolError, MessageSizeError, RemoteProtocolError
+from wanlink.proto.frames import FLAG_EAGER, FrameType, Header
 from wanlink.proto.limits import Limits
-from wanlink.proto.reassembly import DISCARD_TAG, Reassembler
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Reassembler
 
 
 def chunk(tag, seq, total, offset, length):
-    return Header(FrameType.DATA, 0, tag, seq, total, offset, length, length, 0)
+    return Header(FrameType.DATA, FLAG_EAGER, tag, seq, total, offset, length, length, 0)
 
 
 def deliver(r: Reassembler, header: Header, data: bytes):
@@ -211,17 +211,17 @@ def test_unpost_restages_and_next_post_gets_the_same_message():
 
 def test_discard_tag_goes_to_scratch_and_other_negative_tags_are_errors():
     r = Reassembler()
-    assert deliver(r, chunk(DISCARD_TAG, 0, 100, 0, 100), bytes(100)) is None
-    with pytest.raises(ProtocolError, match="reserved"):
+    assert deliver(r, chunk(PROBE_DISCARD_TAG, 0, 100, 0, 100), bytes(100)) is None
+    with pytest.raises(RemoteProtocolError, match="reserved"):
         r.place(chunk(-2, 0, 1, 0, 1))
-    with pytest.raises(ValueError):
+    with pytest.raises(LocalProtocolError, match="reserved"):
         r.post(-1, memoryview(bytearray(1)))
 
 
 def test_message_changing_size_is_a_protocol_error():
     r = Reassembler()
     r.place(chunk(1, 0, 8, 0, 4))
-    with pytest.raises(ProtocolError, match="changed size"):
+    with pytest.raises(RemoteProtocolError, match="changed size"):
         r.place(chunk(1, 0, 9, 4, 4))
 
 

@@ -11,16 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from wanlink.collectives.base import Comm, gather_all
+from wanlink.c10d.checks import SUPPORTED_DTYPES as DTYPES
 from wanlink.c10d.tags import HEADER_PIECE
+from wanlink.collectives.base import Comm, gather_all
 from wanlink.errors import DesyncError
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
        "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
        "barrier", "all_reduce_coalesced", "monitored_barrier", "all_gather_coalesced",
        "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int16,
-          torch.int32, torch.int64, torch.uint8, torch.bool)
 _HEADER = struct.Struct("<qhhqq")
 VARIES = -1
 """``count`` for collectives whose per-member sizes may legitimately differ (all_to_all)."""

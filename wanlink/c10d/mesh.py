@@ -7,21 +7,29 @@ Links are made at start-up (and re-requested lazily), one per pair of members, a
 the member with the higher rank connects, the lower one accepts. The shared secret is
 ``WANLINK_SECRET`` when set, otherwise made by rank 0 and handed out through the Store (see
 docs/c10d.md for what that means for trust).
+
+The world group's Mesh is also the process's *world mesh*: groups made later on a subset of its
+ranks share it (:func:`world_mesh`) until it closes. Settings come from the caller (the backend's
+edge reads the environment); this module reads none.
 """
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import logging
-import os
 import secrets
 import socket
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from wanlink.c10d.tags import group_slot
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost
+from wanlink.endpoints import connect, serve
+from wanlink.io.runtime import get_runtime
 from wanlink.io.sockets import same_host_key
+from wanlink.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +59,13 @@ def _route_address(towards: str) -> str:
         return probe.getsockname()[0]
 
 
-def advertised_address(store: dist.Store) -> tuple[str, str]:
+def advertised_address(store: dist.Store, settings: Settings) -> tuple[str, str]:
     """(bind host, advertised host): ``WANLINK_ADDR``/``WANLINK_BIND`` or derived from the Store.
 
     A loopback or file-backed Store means a single-host world: bind and advertise 127.0.0.1.
     Otherwise advertise the address that routes to the Store's host and bind all interfaces.
     """
-    advertised = os.environ.get("WANLINK_ADDR")
+    advertised = settings.addr
     if not advertised:
         root = _root_store(store)
         store_host = getattr(root, "host", None) if isinstance(root, dist.TCPStore) else None
@@ -69,14 +77,13 @@ def advertised_address(store: dist.Store) -> tuple[str, str]:
             except OSError:
                 advertised = socket.gethostname()
     default_bind = "127.0.0.1" if _is_loopback(advertised) else "0.0.0.0"
-    return os.environ.get("WANLINK_BIND", default_bind), advertised
+    return settings.bind or default_bind, advertised
 
 
-def shared_secret(store: dist.Store, rank: int, timeout: timedelta) -> bytes:
-    """``WANLINK_SECRET`` if set; else rank 0 makes a random one and publishes it in the Store."""
-    from_env = os.environ.get("WANLINK_SECRET")
-    if from_env:
-        return from_env.encode()
+def shared_secret(store: dist.Store, rank: int, timeout: timedelta, configured: str | None) -> bytes:
+    """``configured`` (``WANLINK_SECRET``) if set; else rank 0 makes a random one and publishes it in the Store."""
+    if configured:
+        return configured.encode()
     if rank == 0:
         made = secrets.token_hex(32).encode()
         store.set(SECRET_KEY, made)
@@ -88,40 +95,55 @@ def _store_get(store: dist.Store, key: str, timeout: timedelta) -> bytes:
     try:
         store.wait([key], timeout)
     except RuntimeError as error:  # torch reports store timeouts as RuntimeError/DistStoreError
-        raise DeadlineExceeded(f"wanlink rendezvous: key {key!r} not published within {timeout}") from error
+        raise DeadlineExceeded(f"wanlink rendezvous timed out after {timeout.total_seconds():g} s: "
+                               f"key {key!r} not published") from error
     return store.get(key)
 
 
 class Mesh:
-    """One server plus lazily made links to the other ``size`` - 1 members of a world."""
+    """One server plus lazily made links to the other ``size`` - 1 members of a world.
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, streams: int | None = None):
-        import wanlink
-        from wanlink.io.runtime import get_runtime
+    A rendezvous that fails in any way (a timeout, a refused or failed link, a bad Store entry)
+    closes the server and every link made so far before the error propagates.
+    """
 
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, settings: Settings):
         self.rank, self.size, self.timeout = rank, size, timeout
+        self.settings = settings  # streams, chunk size, compression (lz4 per chunk where it shrinks), ...
         self.runtime = get_runtime()
-        self.secret = shared_secret(store, rank, timeout)
+        self.secret = shared_secret(store, rank, timeout, settings.secret)
         if rank == 0:
             store.set(WORLD_KEY, secrets.token_hex(8))
         self.world = _store_get(store, WORLD_KEY, timeout).decode()
-        self.streams = streams
-        self.compress = os.environ.get("WANLINK_COMPRESS", "0") == "1"  # lz4 per chunk where it shrinks
         self._links: dict[int, asyncio.Future] = {}
         self._slots: dict[int, str] = {}
         self._closed = False
-        bind, advertised = advertised_address(store)
-        host_key = same_host_key() if os.environ.get("WANLINK_UNIX", "1") != "0" else ""
-        self.server = self.runtime.run(
-            wanlink.serve(bind, 0, secret=self.secret, on_link=self._on_link, compress=self.compress,
-                          unix=bool(host_key)),
-            timeout.total_seconds())
-        store.set(ADDRESS_KEY.format(rank=rank), f"{advertised}:{self.server.port}")
-        store.set(LOCAL_KEY.format(rank=rank), f"{host_key} {self.server.unix_name or ''}")
+        self.server = None
         self.addresses: dict[int, tuple[str, int]] = {}
         self.unix_names: dict[int, str] = {}  # peers of this host: their abstract socket
-        for peer in range(size):
-            host, _, port = _store_get(store, ADDRESS_KEY.format(rank=peer), timeout).decode().rpartition(":")
+        bind, advertised = advertised_address(store, settings)
+        host_key = same_host_key() if settings.unix else ""
+        self.server = self.runtime.run(
+            serve(bind, 0, secret=self.secret, on_link=self._on_link, compress=settings.compress,
+                  unix=bool(host_key), settings=settings),
+            timeout.total_seconds())
+        try:
+            self._rendezvous(store, advertised, host_key)
+        except BaseException:
+            self.close()
+            raise
+
+    def _rendezvous(self, store: dist.Store, advertised: str, host_key: str) -> None:
+        """Publish this member's addresses, read everyone's, and make every link."""
+        rank, timeout = self.rank, self.timeout
+        store.set(ADDRESS_KEY.format(rank=rank), f"{advertised}:{self.server.port}")
+        store.set(LOCAL_KEY.format(rank=rank), f"{host_key} {self.server.unix_name or ''}")
+        for peer in range(self.size):
+            address = _store_get(store, ADDRESS_KEY.format(rank=peer), timeout).decode()
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"wanlink rendezvous: rank {peer} published a malformed address {address!r} "
+                                  f"under {ADDRESS_KEY.format(rank=peer)!r}")
             self.addresses[peer] = (host, int(port))
             peer_key, _, unix_name = _store_get(store, LOCAL_KEY.format(rank=peer), timeout).decode().partition(" ")
             if host_key and peer_key == host_key and unix_name:
@@ -130,9 +152,8 @@ class Mesh:
             self.runtime.run(self._link_all(), timeout.total_seconds())
         except DeadlineExceeded:
             missing = sorted(peer for peer, slot in self._links.items() if not slot.done())
-            self.close()
-            raise DeadlineExceeded(f"wanlink rendezvous: rank {rank} has no link to rank(s) {missing} "
-                                   f"after {timeout}") from None
+            raise DeadlineExceeded(f"wanlink rendezvous timed out after {timeout.total_seconds():g} s: "
+                                   f"rank {rank} has no link to rank(s) {missing}") from None
 
     async def _link_all(self) -> None:
         """Make every link now, so a peer that is missing or dies later is noticed by its link."""
@@ -140,8 +161,6 @@ class Mesh:
 
     def claim_slot(self, group_name: str) -> int:
         """The tag slot of a group on this mesh; two groups whose names collide are refused."""
-        from wanlink.c10d.tags import group_slot
-
         slot = group_slot(group_name)
         owner = self._slots.setdefault(slot, group_name)
         if owner != group_name:
@@ -159,14 +178,11 @@ class Mesh:
         return slot
 
     async def _connect(self, peer: int, slot: asyncio.Future) -> None:
-        import wanlink
-
         host, port = self.addresses[peer]
         try:
-            link = await wanlink.connect(host, port, streams=self.streams, secret=self.secret,
-                                         meta={"rank": self.rank, "world": self.world},
-                                         timeout=self.timeout.total_seconds(), compress=self.compress,
-                                         unix_name=self.unix_names.get(peer))
+            link = await connect(host, port, secret=self.secret, meta={"rank": self.rank, "world": self.world},
+                                 timeout=self.timeout.total_seconds(), compress=self.settings.compress,
+                                 unix_name=self.unix_names.get(peer), settings=self.settings)
         except BaseException as error:  # noqa: BLE001 - handed to every waiter
             if not slot.done():
                 slot.set_exception(PeerLost(f"wanlink: cannot connect rank {self.rank} -> rank {peer} "
@@ -181,13 +197,13 @@ class Mesh:
         meta = link.peer_meta or {}
         peer = meta.get("rank")
         if meta.get("world") != self.world or not isinstance(peer, int) or not self.rank < peer < self.size:
-            logger.warning("wanlink: refusing link from %s with meta %r (world %s, rank %d)",
+            logger.warning("refusing link from %s with meta %r (world %s, rank %d)",
                            link.peer, meta, self.world, self.rank)
             await link.close()
             return
         slot = self._slot(peer)
         if slot.done():
-            logger.warning("wanlink: duplicate link from rank %d ignored", peer)
+            logger.warning("duplicate link from rank %d ignored", peer)
             await link.close()
             return
         slot.set_result(link)
@@ -209,7 +225,8 @@ class Mesh:
 
     async def _close(self) -> None:
         self._closed = True
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
         links = [slot.result() for slot in self._links.values()
                  if slot.done() and not slot.cancelled() and slot.exception() is None]
         for slot in self._links.values():
@@ -218,13 +235,43 @@ class Mesh:
             elif not slot.cancelled():
                 slot.exception()  # mark retrieved
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
-        await asyncio.gather(self.server.wait_closed(), return_exceptions=True)
+        if self.server is not None:
+            await asyncio.gather(self.server.wait_closed(), return_exceptions=True)
 
     def close(self) -> None:
-        """Close the server and every link (idempotent; safe from any non-loop thread)."""
+        """Close the server and every link, and stop being the world mesh (idempotent; any non-loop thread)."""
+        _forget_world_mesh(self)
         if self._closed or not self.runtime.running:
             return
         try:
             self.runtime.run(self._close(), timeout=10.0)
         except Exception as error:  # noqa: BLE001 - shutting down; nothing to recover
-            logger.debug("wanlink: mesh close: %r", error)
+            logger.debug("mesh close: %r", error)
+
+
+_world_lock = threading.Lock()
+_world_mesh: Mesh | None = None
+
+
+def world_mesh(store: dist.Store, rank: int, size: int, timeout: timedelta, settings: Settings) -> Mesh:
+    """A new Mesh for a world group, which later groups of this world share until it closes."""
+    global _world_mesh
+    with _world_lock:
+        _world_mesh = Mesh(store, rank, size, timeout, settings)
+        return _world_mesh
+
+
+def shared_world_mesh(global_ranks: list[int], group_rank: int) -> Mesh | None:
+    """The world mesh if it covers ``global_ranks`` and this process is ``global_ranks[group_rank]``."""
+    with _world_lock:
+        shared = _world_mesh
+    if shared is not None and max(global_ranks) < shared.size and global_ranks[group_rank] == shared.rank:
+        return shared
+    return None
+
+
+def _forget_world_mesh(mesh: Mesh) -> None:
+    global _world_mesh
+    with _world_lock:
+        if _world_mesh is mesh:
+            _world_mesh = None

@@ -28,7 +28,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from wanlink.c10d.deadlines import deadline_scope
 from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, encoded_size, scatter_add_
-from wanlink.compress.sparsifier import target_blocks
 from wanlink.errors import ConfigError, UnsupportedError
 
 BLOCK = 16
@@ -430,7 +429,7 @@ def _previous_step_result(state: BlockSparseState, iteration: int, params: list,
 
     def assemble(_done):
         buffer.zero_()
-        for offset, param, source in zip(offsets, params, sources):
+        for offset, _param, source in zip(offsets, params, sources):
             if source is not None:
                 future, start, numel = source
                 buffer[offset:offset + numel] = future.value()[start:start + numel]

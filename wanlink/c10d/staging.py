@@ -50,3 +50,10 @@ class Staging:
         with torch.no_grad():
             for tensor, buffer in self._write_back:
                 tensor.copy_(buffer.view(tensor.shape))
+
+
+def copy_parts(flat: torch.Tensor, tensors) -> None:
+    """Copy consecutive parts of ``flat`` into ``tensors`` (any layout, any device)."""
+    with torch.no_grad():
+        for tensor, part in zip(tensors, flat.split([tensor.numel() for tensor in tensors])):
+            tensor.copy_(part.view(tensor.shape))

@@ -15,7 +15,8 @@ from wanlink.io.runtime import new_event_loop
 MiB = 1024 * 1024
 
 
-async def run_transfer(streams: int, size: int, repeat: int) -> list[dict]:
+async def run_transfer(streams: int, size: int, repeat: int) -> tuple[int, list[dict]]:
+    """The link's chunk size and, per round, seconds, Gbit/s and chunks each stream sent."""
     secret = os.urandom(16)
     accepted: asyncio.Queue = asyncio.Queue()
     server = await wanlink.serve("127.0.0.1", 0, secret=secret, on_link=accepted.put_nowait)
@@ -40,7 +41,7 @@ async def run_transfer(streams: int, size: int, repeat: int) -> list[dict]:
         await receiver.close()
         server.close()
         await server.wait_closed()
-    return rounds
+    return client.chunk_size, rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size_mib * MiB
     loop = new_event_loop()
     try:
-        rounds = loop.run_until_complete(run_transfer(args.streams, size, args.repeat))
+        chunk_size, rounds = loop.run_until_complete(run_transfer(args.streams, size, args.repeat))
     finally:
         loop.close()
-    chunk = os.environ.get("WANLINK_CHUNK_SIZE", "1 MiB (default)")
-    print(f"striped transfer over loopback: {args.size_mib} MiB, {args.streams} streams, chunk size {chunk}")
+    print(f"striped transfer over loopback: {args.size_mib} MiB, {args.streams} streams, "
+          f"chunk size {chunk_size // 1024} KiB")
     print(f"{'round':>5} {'seconds':>8} {'Gbit/s':>8}  chunks per stream")
     for index, row in enumerate(rounds):
         print(f"{index:>5} {row['seconds']:>8.3f} {row['gbit_per_s']:>8.2f}  {row['chunks_per_stream']}")

@@ -7,11 +7,13 @@ in rank order, so every member computes bit-identical results.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Sequence
 
 import torch
 
 from wanlink.collectives.base import Comm, Reducer, gather_all
+from wanlink.errors import DeadlineExceeded, PeerLost
 
 
 async def _fold_in_rank_order(comm: Comm, reducer: Reducer, contributions: Sequence[torch.Tensor],
@@ -124,3 +126,41 @@ async def barrier(comm: Comm) -> None:
     incoming = {peer: torch.empty(1, dtype=torch.uint8) for peer in peers}
     await gather_all([comm.send(peer, token) for peer in peers]
                      + [comm.recv(peer, incoming[peer]) for peer in peers])
+
+
+async def monitored_barrier(comm: Comm, seconds: float, wait_all_ranks: bool) -> None:
+    """Every member reports to member 0, which then releases them all.
+
+    Member 0 waits at most ``seconds`` and then names the members that did not report:
+    PeerLost for those whose link failed, else DeadlineExceeded for those that did not arrive. It
+    names the first such member, or with ``wait_all_ranks`` every one (waiting the whole time).
+    """
+    token = torch.ones(1, dtype=torch.uint8)
+    if comm.rank != 0:
+        await comm.send(0, token)
+        try:
+            await asyncio.wait_for(comm.recv(0, torch.empty(1, dtype=torch.uint8)), seconds)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"timed out after {seconds:g} s waiting for rank 0 to release it "
+                                   f"(rank 0 waits for every rank)") from None
+        return
+    arrivals = {peer: asyncio.ensure_future(comm.recv(peer, torch.empty(1, dtype=torch.uint8)))
+                for peer in range(1, comm.size)}
+    if arrivals:
+        await asyncio.wait(arrivals.values(), timeout=seconds,
+                           return_when=asyncio.ALL_COMPLETED if wait_all_ranks else asyncio.FIRST_EXCEPTION)
+    arrived = {peer for peer, task in arrivals.items() if task.done()}
+    for task in arrivals.values():
+        task.cancel()
+    await asyncio.gather(*arrivals.values(), return_exceptions=True)
+    failed = {peer: arrivals[peer].exception() for peer in sorted(arrived) if arrivals[peer].exception() is not None}
+    missing = [peer for peer in arrivals if peer not in arrived]
+    if failed:
+        shown = sorted(failed) if wait_all_ranks else sorted(failed)[:1]
+        late = f"; rank(s) {missing} did not reach it within {seconds:g} s" if wait_all_ranks and missing else ""
+        raise PeerLost(f"the link to rank(s) {shown} failed "
+                       f"({failed[shown[0]]}){late}") from failed[shown[0]]
+    if missing:
+        shown = missing if wait_all_ranks else missing[:1]
+        raise DeadlineExceeded(f"timed out after {seconds:g} s: rank(s) {shown} did not reach the barrier")
+    await gather_all([comm.send(peer, token) for peer in range(1, comm.size)])

@@ -1,4 +1,4 @@
-"""serve(): accept authenticated streams, assemble them into Links, hand each Link to on_link."""
+"""start_server(): accept authenticated streams, assemble them into Links, hand each Link to on_link."""
 from __future__ import annotations
 
 import asyncio
@@ -6,12 +6,13 @@ import dataclasses
 import inspect
 import socket
 
-from wanlink.errors import AuthenticationError, PeerLost, ProtocolError, WanlinkError
+from wanlink.errors import AuthenticationError, LocalProtocolError, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
-from wanlink.io.link import DEFAULT_TIMEOUT, PROBE_META_KEY, Link
+from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly, unix_listener
-from wanlink.proto.handshake import ServerHandshake, Status, normalize_secret
+from wanlink.proto.handshake import PROBE_META_KEY, ServerHandshake, Status, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+from wanlink.sched.chunking import chunk_size_from
 
 
 @dataclasses.dataclass
@@ -41,15 +42,14 @@ class Server:
         self._pending: dict[bytes, _PendingLink] = {}
         self._handlers: set[asyncio.Task] = set()
         self._probe_links: set[Link] = set()  # probe traffic only: kept here, never shown to on_link
-        self._accept_tasks: list[asyncio.Task] = []
+        self._accept_tasks: dict[socket.socket, asyncio.Task] = {}  # listener -> its accept loop
         self.host, self.port = listener.getsockname()[:2]
         self.rejected_streams = 0
 
     def start(self) -> "Server":
-        for listener in (self._listener, self._unix_listener):
-            if listener is not None:
-                self._accept_tasks.append(self.loop.create_task(self._accept_loop(listener),
-                                                                name=f"wanlink-accept-{self.port}"))
+        for listener in self._listeners():
+            self._accept_tasks[listener] = self.loop.create_task(self._accept_loop(listener),
+                                                                 name=f"wanlink-accept-{self.port}")
         registry.register_server(self)
         return self
 
@@ -58,12 +58,12 @@ class Server:
             try:
                 sock, _address = await self.loop.sock_accept(listener)
             except OSError as exc:  # e.g. EMFILE: keep serving once descriptors free up
-                log.error("wanlink: accept on port %d failed: %s", self.port, exc)
+                log.error("accept on port %d failed: %s", self.port, exc)
                 await asyncio.sleep(0.1)
                 continue
             if len(self._handlers) >= self._limits.max_handshakes:
                 self.rejected_streams += 1
-                log.warning("wanlink: refused a connection: %d handshakes already in progress (max_handshakes)",
+                log.warning("refused a connection: %d handshakes already in progress (max_handshakes)",
                             len(self._handlers))
                 close_quietly(sock)
                 continue
@@ -85,7 +85,7 @@ class Server:
                 accepted = await self._handshake(sock, prefix, peer)
         except (WanlinkError, OSError, TimeoutError) as exc:
             self.rejected_streams += 1
-            log.warning("wanlink: rejected stream from %s: %s", peer, _describe(exc))
+            log.warning("rejected stream from %s: %s", peer, _describe(exc))
             close_quietly(sock)
             return
         except BaseException:
@@ -102,7 +102,7 @@ class Server:
         while handshake.stream is None:
             wanted = handshake.bytes_wanted()
             if len(data) > wanted:
-                raise ProtocolError(f"{len(data)} prefix bytes exceed the {wanted}-byte handshake message")
+                raise LocalProtocolError(f"{len(data)} prefix bytes exceed the {wanted}-byte handshake message")
             data += await recv_exactly(loop, sock, wanted - len(data))
             reply, data = handshake.receive(data), b""
         hello = handshake.stream
@@ -110,7 +110,7 @@ class Server:
         status = self._admission(hello, pending)
         if status is not Status.OK:
             await loop.sock_sendall(sock, handshake.reject(status))
-            raise ProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+            raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
         await loop.sock_sendall(sock, reply)
         try:
             result = handshake.receive(await recv_exactly(loop, sock, handshake.bytes_wanted()))
@@ -121,7 +121,7 @@ class Server:
         status = self._admission(hello, pending)
         if status is not Status.OK:
             await loop.sock_sendall(sock, bytes([status]))
-            raise ProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+            raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
         await loop.sock_sendall(sock, result)
         if pending is None:
             pending = _PendingLink(hello.count)
@@ -147,7 +147,7 @@ class Server:
         pending = self._pending.pop(link_id, None)
         if pending is None:
             return
-        log.warning("wanlink: dropped a link from %s: %d of %d streams arrived within %g s",
+        log.warning("dropped a link from %s: %d of %d streams arrived within %g s",
                     pending.peer or "?", len(pending.socks), pending.count, self._timeout)
         for sock in pending.socks.values():
             close_quietly(sock)
@@ -167,15 +167,23 @@ class Server:
             if inspect.isawaitable(result):
                 await result
         except Exception as exc:  # noqa: BLE001 - a failing callback must not take the server down
-            log.error("wanlink: on_link callback failed for %s: %r; closing that link", link.name, exc)
+            log.error("on_link callback failed for %s: %r; closing that link", link.name, exc)
             await link.close()
+
+    def _listeners(self) -> list[socket.socket]:
+        return [listener for listener in (self._listener, self._unix_listener) if listener is not None]
 
     def close(self) -> None:
         """Stop accepting and drop half-open links and handshakes in progress."""
-        for task in self._accept_tasks:
-            task.cancel()
+        for listener in self._listeners():
+            task = self._accept_tasks.get(listener)
+            if task is None or task.done():
+                close_quietly(listener)
+            else:  # closed once its pending accept ended: a descriptor closed under it breaks the loop's bookkeeping
+                task.cancel()
+                task.add_done_callback(lambda _task, listener=listener: close_quietly(listener))
         for task in list(self._handlers):
-            task.cancel()
+            task.cancel()  # each handler closes its own socket once it has ended
         for probe in self._probe_links:
             probe.fail(PeerLost("server closed"))
         self._probe_links.clear()
@@ -184,13 +192,10 @@ class Server:
             pending.expiry.cancel()
             for sock in pending.socks.values():
                 close_quietly(sock)
-        close_quietly(self._listener)
-        if self._unix_listener is not None:
-            close_quietly(self._unix_listener)
         registry.unregister_server(self)
 
     async def wait_closed(self) -> None:
-        tasks = [*self._accept_tasks, *self._handlers]
+        tasks = [*self._accept_tasks.values(), *self._handlers]
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def __aenter__(self):
@@ -217,19 +222,22 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = None,
-                timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS, backlog: int = 128,
-                chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
-                compress: bool = False, checksum: bool = False, unix: bool = False) -> Server:
+async def start_server(host: str, port: int, *, on_link, secret: bytes | str, timeout: float = DEFAULT_TIMEOUT,
+                       limits: Limits = DEFAULT_LIMITS, backlog: int = 128, chunk_size: int | None = None,
+                       congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
+                       checksum: bool = False, unix: bool = False) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
+
+    Everything is resolved already (``wanlink.serve`` reads the settings for what it is not given).
 
     ``unix=True`` also listens on an abstract Unix socket (``server.unix_name``) for processes of
     the same host and network namespace: the same handshake; sending costs a third less CPU per
     byte than over TCP loopback (bench/loopback_throughput.py --paths tcp unix).
     """
     key = normalize_secret(secret)
+    chunk_size_from(chunk_size)  # a bad size fails now, not at each link
     if not key:
-        log.warning("wanlink: serving on %s:%s without authentication (empty secret)", host, port)
+        log.warning("serving on %s:%s without authentication (empty secret)", host, port)
     try:
         listener = socket.create_server((host, port), backlog=backlog)
     except OSError as exc:

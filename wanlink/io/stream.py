@@ -8,8 +8,8 @@ import zlib
 from wanlink.errors import PeerLost
 from wanlink.io.sockets import close_quietly, log
 from wanlink.proto.frames import (
-    CLOSE_FRAME, FLAG_CHECKSUM, FLAG_LZ4, AckReceived, ChunkReceived, CloseReceived, ControlReceived, FrameDecoder,
-    PingReceived, ack_header, compress_chunk, data_header,
+    CLOSE_FRAME, FLAG_CHECKSUM, FLAG_EAGER, FLAG_LZ4, AbortReceived, AckReceived, ChunkReceived, CloseReceived,
+    ControlReceived, FlowReceived, FrameDecoder, PingReceived, ack_header, compress_chunk, data_header,
 )
 from wanlink.sched.chunking import Chunk
 
@@ -49,6 +49,7 @@ class Stream:
         self._reading = False
         self._read_done: asyncio.Future = loop.create_future()  # set once the reader stopped
         self._writable: asyncio.Future | None = None  # awaited by the writer while the socket is full
+        self._goodbye: asyncio.Task | None = None  # delivering an ABORT before the socket closes
 
     def start(self) -> None:
         self.loop.add_reader(self.sock, self._on_readable)
@@ -111,6 +112,10 @@ class Stream:
             self.queue_control(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
         elif type(event) is AckReceived:
             link.ack_received(self, event.header)
+        elif type(event) is FlowReceived:
+            link.flow_received(event.header)
+        elif type(event) is AbortReceived:
+            link.abort_received(event.payload)
         elif type(event) is ControlReceived:
             link.control_received(event.payload)
         elif type(event) is CloseReceived:
@@ -149,7 +154,7 @@ class Stream:
         if self.link.send_log is not None:
             self.link.send_log.append((transfer.tag, transfer.seq, chunk.offset))
         payload = chunk.view
-        flags = 0
+        flags = FLAG_EAGER if chunk.eager else 0
         checksum = 0
         raw_len = len(payload)
         if self.link.checksum:
@@ -221,12 +226,44 @@ class Stream:
         else:
             close_quietly(self.sock)
 
+    def abort_saying(self, frame: bytes, grace: float) -> None:
+        """Abort, but first send ``frame`` (after the frame in progress) within ``grace`` s.
+
+        Frames are no longer decoded; what the peer still sends is read and dropped until it
+        closes, so our close does not reset the connection before the peer read ``frame``.
+        """
+        if not self.alive or self._writer is None or self._writer.done():
+            self.abort()
+            return
+        self.alive = False
+        self.closing = True
+        self._stop_reading()
+        self.control = [frame]
+        self.wake.set()
+        self._goodbye = self.loop.create_task(self._say_goodbye(grace), name=f"wanlink-abort-{self.index}")
+
+    async def _say_goodbye(self, grace: float) -> None:
+        loop, sock = self.loop, self.sock
+        try:
+            async with asyncio.timeout(grace):
+                await asyncio.wait({self._writer})
+                sock.shutdown(socket.SHUT_WR)
+                scratch = bytearray(64 * 1024)
+                while await loop.sock_recv_into(sock, scratch):
+                    pass
+        except (TimeoutError, OSError):
+            pass
+        finally:
+            self.abort()
+
     async def close(self, grace: float) -> None:
         """Say goodbye within ``grace`` s, then abort.
 
         The writer finishes its frame and sends CLOSE; then our side is shut (FIN) and the reader
         drains until the peer closes too, so neither side resets a connection with unread bytes.
         """
+        if self._goodbye is not None:
+            await asyncio.gather(self._goodbye, return_exceptions=True)
         if self.alive and self._writer is not None:
             self.closing = True
             self.queue_control(CLOSE_FRAME)

@@ -18,22 +18,31 @@ from types import ModuleType
 
 from wanlink.errors import ConfigError, UnsupportedError
 from wanlink.kernels import reference
+from wanlink.settings import from_env
 
 __all__ = ["IMPLEMENTATIONS", "NAME", "active", "available", "load", "num_threads", "use"]
 
 IMPLEMENTATIONS = ("compiled", "reference")
 FORCE_REFERENCE_VARIABLE = "WANLINK_PUREPYTHON"
+_REFERENCE_FORCED = from_env().pure_python  # read once, at import: this module is the kernels' edge
 
 
-def _reference_forced() -> bool:
-    value = os.environ.get(FORCE_REFERENCE_VARIABLE, "").strip().lower()
-    return value not in ("", "0", "false", "no")
+def _should_have_compiled() -> bool:
+    """CPython on Linux or macOS: where ``pip install`` builds the kernels unless something went wrong."""
+    return sys.implementation.name == "cpython" and sys.platform in ("linux", "darwin")
 
 
 def _import_compiled() -> ModuleType | None:
     try:
         module = importlib.import_module("wanlink._kernels")
-    except ImportError:
+    except ImportError as exc:
+        if _should_have_compiled():
+            warnings.warn(
+                f"wanlink's compiled kernels are missing ({exc}); using the NumPy reference, 10-100x slower. "
+                "Reinstall with a C compiler and Cython available (`pip install -v` prints a line starting "
+                "'wanlink: compiled kernels' saying why they were skipped), or set "
+                f"{FORCE_REFERENCE_VARIABLE}=1 to choose the reference and silence this warning.",
+                RuntimeWarning, stacklevel=3)
         return None
     if getattr(module, "KERNEL_ABI", None) != reference.KERNEL_ABI:
         warnings.warn("wanlink._kernels is stale (kernel ABI mismatch); rebuild it. Using the NumPy reference.",
@@ -42,7 +51,7 @@ def _import_compiled() -> ModuleType | None:
     return module
 
 
-_compiled = None if _reference_forced() else _import_compiled()
+_compiled = None if _REFERENCE_FORCED else _import_compiled()
 
 
 def available() -> list[str]:
@@ -56,7 +65,7 @@ def load(name: str) -> ModuleType:
         return reference
     if name == "compiled":
         if _compiled is None:
-            reason = f"{FORCE_REFERENCE_VARIABLE} is set" if _reference_forced() else "wanlink._kernels is not built"
+            reason = f"{FORCE_REFERENCE_VARIABLE} is set" if _REFERENCE_FORCED else "wanlink._kernels is not built"
             raise UnsupportedError(f"compiled kernels unavailable: {reason}")
         return _compiled
     raise ConfigError(f"unknown kernel implementation {name!r}; expected one of {IMPLEMENTATIONS}")

@@ -1,20 +1,15 @@
 """wanlink.probe: how many streams and how large chunks a link needs, and how fast it delivers.
 
-Pure decision logic (``StreamRamp``, ``choose_chunk_size``, ``DeliveryRateEstimator``), the
-sans-I/O iperf3 control protocol (``wanlink.probe.iperf3``), iperf3-style reports
-(``wanlink.probe.report``) and ``choose_streams`` (``wanlink.probe.driver``), which drives the
-ramp over real Links and is loaded on first use so the pure parts never import the transport.
+Pure decision logic, below the transport: ``StreamRamp`` (wanlink.probe.ramp), ``StepTiming`` and
+``inflight_bytes_for`` (wanlink.probe.step), ``choose_chunk_size`` (wanlink.probe.chunk),
+``DeliveryRateEstimator`` (wanlink.probe.rate). Driving the ramp over real Links
+(``choose_streams``) is ``wanlink.endpoints``, above the transport; the iperf3 protocol and
+reports are ``wanlink.iperf``.
 """
 from wanlink.probe.chunk import choose_chunk_size
 from wanlink.probe.ramp import ProbeResult, RampStep, StreamRamp
 from wanlink.probe.rate import DeliveryRateEstimator
+from wanlink.probe.step import StepTiming, inflight_bytes_for
 
-__all__ = ["DeliveryRateEstimator", "ProbeResult", "RampStep", "StreamRamp", "choose_chunk_size", "choose_streams"]
-
-
-def __getattr__(name):
-    if name == "choose_streams":
-        from wanlink.probe.driver import choose_streams
-
-        return choose_streams
-    raise AttributeError(f"module 'wanlink.probe' has no attribute {name!r}")
+__all__ = ["DeliveryRateEstimator", "ProbeResult", "RampStep", "StepTiming", "StreamRamp", "choose_chunk_size",
+           "inflight_bytes_for"]

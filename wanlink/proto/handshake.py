@@ -20,7 +20,7 @@ import hmac
 import os
 import struct
 
-from wanlink.errors import AuthenticationError, ConfigError, ProtocolError
+from wanlink.errors import AuthenticationError, ConfigError, LocalProtocolError, RemoteProtocolError
 from wanlink.proto.control import pack_message, unpack_message
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
@@ -31,6 +31,8 @@ CHALLENGE = struct.Struct("<4sHB32s32s")
 PROOF_SIZE = 32
 RESULT_SIZE = 1
 NONCE_SIZE = 32
+PROBE_META_KEY = "wanlink_probe"
+"""In stream 0's metadata: the link carries only probe traffic; a server keeps it from its application."""
 
 
 class Status(enum.IntEnum):
@@ -49,12 +51,8 @@ _STATUS_TEXT = {
 }
 
 
-def normalize_secret(secret: bytes | str | None) -> bytes:
-    """Secrets are bytes or str; None reads WANLINK_SECRET (and fails when unset)."""
-    if secret is None:
-        secret = os.environ.get("WANLINK_SECRET")
-        if secret is None:
-            raise ConfigError("no shared secret: pass secret= or set WANLINK_SECRET (\"\" for unauthenticated)")
+def normalize_secret(secret: bytes | str) -> bytes:
+    """A secret given as bytes or str, as bytes (the edges resolve an omitted one from WANLINK_SECRET)."""
     if isinstance(secret, str):
         return secret.encode()
     if isinstance(secret, (bytes, bytearray, memoryview)):
@@ -84,7 +82,7 @@ class ClientHandshake:
         if not 0 <= index < count <= limits.max_streams:
             raise ConfigError(f"stream index {index} / count {count} invalid (max {limits.max_streams} streams)")
         meta_bytes = pack_message(meta) if index == 0 and meta else b""
-        limits.check("max_meta_size", len(meta_bytes), "handshake metadata")
+        limits.check_outgoing("max_meta_size", len(meta_bytes), "handshake metadata")
         self._secret = secret
         self._hello = HELLO.pack(MAGIC, VERSION, 0, link_id, index, count, nonce or os.urandom(NONCE_SIZE),
                                  len(meta_bytes)) + meta_bytes
@@ -100,14 +98,14 @@ class ClientHandshake:
     def receive(self, data: bytes) -> bytes:
         """Feed exactly ``bytes_wanted()`` bytes; returns the bytes to send next (maybe empty)."""
         if len(data) != self.bytes_wanted():
-            raise ProtocolError(f"handshake expected {self.bytes_wanted()} bytes, got {len(data)}")
+            raise LocalProtocolError(f"handshake expected {self.bytes_wanted()} bytes, got {len(data)}")
         if self._state == "challenge":
             magic, version, status, server_nonce, server_proof = CHALLENGE.unpack(data)
             if magic != MAGIC:
-                raise ProtocolError(f"peer is not a wanlink server (magic {magic!r})")
+                raise RemoteProtocolError(f"peer is not a wanlink server (magic {magic!r})")
             _raise_for_status(status)
             if version != VERSION:
-                raise ProtocolError(f"server speaks protocol version {version}, we speak {VERSION}")
+                raise RemoteProtocolError(f"server speaks protocol version {version}, we speak {VERSION}")
             if not hmac.compare_digest(server_proof, _proof(self._secret, b"server", self._hello, server_nonce)):
                 raise AuthenticationError("server failed to prove it knows the shared secret (wrong secret?)")
             self._state = "result"
@@ -117,7 +115,7 @@ class ClientHandshake:
             self._state = "done"
             self.accepted = True
             return b""
-        raise ProtocolError("handshake already finished")
+        raise LocalProtocolError("handshake already finished")
 
 
 def _raise_for_status(status: int) -> None:
@@ -126,10 +124,10 @@ def _raise_for_status(status: int) -> None:
     try:
         text = _STATUS_TEXT[Status(status)]
     except ValueError:
-        raise ProtocolError(f"unknown handshake status {status}") from None
+        raise RemoteProtocolError(f"unknown handshake status {status}") from None
     if status == Status.REJECTED:
         raise AuthenticationError(f"server rejected the stream: {text}")
-    raise ProtocolError(f"server rejected the stream: {text}")
+    raise RemoteProtocolError(f"server rejected the stream: {text}")
 
 
 class ServerHandshake:
@@ -162,7 +160,7 @@ class ServerHandshake:
     def receive(self, data: bytes) -> bytes:
         """Feed exactly ``bytes_wanted()`` bytes; returns the bytes to send (maybe empty)."""
         if len(data) != self.bytes_wanted():
-            raise ProtocolError(f"handshake expected {self.bytes_wanted()} bytes, got {len(data)}")
+            raise LocalProtocolError(f"handshake expected {self.bytes_wanted()} bytes, got {len(data)}")
         if self._state == "hello":
             return self._on_hello_fixed(bytes(data))
         if self._state == "meta":
@@ -173,7 +171,7 @@ class ServerHandshake:
                 raise AuthenticationError("client failed to prove it knows the shared secret (wrong secret?)")
             self._state = "done"
             return bytes([Status.OK])
-        raise ProtocolError("handshake already finished")
+        raise LocalProtocolError("handshake already finished")
 
     @property
     def done(self) -> bool:
@@ -187,18 +185,18 @@ class ServerHandshake:
     def _on_hello_fixed(self, data: bytes) -> bytes:
         magic, version, flags, link_id, index, count, _nonce, meta_len = HELLO.unpack(data)
         if magic != MAGIC:
-            raise ProtocolError(f"not a wanlink handshake (magic {magic!r})")
+            raise RemoteProtocolError(f"not a wanlink handshake (magic {magic!r})")
         if version != VERSION:
             self._state = "failed"
-            raise ProtocolError(f"client speaks protocol version {version}, we speak {VERSION}")
+            raise RemoteProtocolError(f"client speaks protocol version {version}, we speak {VERSION}")
         if flags:
-            raise ProtocolError(f"unknown handshake flags 0x{flags:04x}")
+            raise RemoteProtocolError(f"unknown handshake flags 0x{flags:04x}")
         self._limits.check("max_streams", count, "streams in one link")
         if not 0 <= index < count:
-            raise ProtocolError(f"stream index {index} out of range for {count} streams")
+            raise RemoteProtocolError(f"stream index {index} out of range for {count} streams")
         self._limits.check("max_meta_size", meta_len, "handshake metadata")
         if meta_len and index != 0:
-            raise ProtocolError("only stream 0 carries handshake metadata")
+            raise RemoteProtocolError("only stream 0 carries handshake metadata")
         self._hello_fixed = data
         if meta_len:
             self._state = "meta"
@@ -211,7 +209,7 @@ class ServerHandshake:
         if meta_bytes:
             meta = unpack_message(meta_bytes, "handshake metadata")
             if not isinstance(meta, dict):
-                raise ProtocolError("handshake metadata must be a map")
+                raise RemoteProtocolError("handshake metadata must be a map")
         self._hello = self._hello_fixed + meta_bytes
         self.stream = StreamHello(link_id, index, count, meta)
         self._state = "proof"

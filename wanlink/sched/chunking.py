@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from wanlink.envvars import env_int
-from wanlink.errors import ConfigError, ProtocolError
+from wanlink.errors import ConfigError, RemoteProtocolError
 
 MIN_CHUNK_SIZE = 256 * 1024
 MAX_CHUNK_SIZE = 4 * 1024 * 1024
@@ -15,11 +14,11 @@ DEFAULT_CHUNK_SIZE = 1024 * 1024
 
 
 def chunk_size_from(value: int | None) -> int:
-    """Validate a chunk size, defaulting to WANLINK_CHUNK_SIZE or DEFAULT_CHUNK_SIZE."""
+    """Validate a chunk size, defaulting to DEFAULT_CHUNK_SIZE (WANLINK_CHUNK_SIZE is the edges' business)."""
     if value is None:
-        value = env_int("WANLINK_CHUNK_SIZE", DEFAULT_CHUNK_SIZE)
-    if not MIN_CHUNK_SIZE <= value <= MAX_CHUNK_SIZE:
-        raise ConfigError(f"chunk size {value} outside [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
+        return DEFAULT_CHUNK_SIZE
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_CHUNK_SIZE <= value <= MAX_CHUNK_SIZE:
+        raise ConfigError(f"chunk size must be an int in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}], got {value!r}")
     return value
 
 
@@ -32,6 +31,7 @@ class Chunk:
     view: memoryview
     acked: bool = False
     order: tuple | None = None  # EDF position, fixed when first queued
+    eager: bool = False  # sent on the link's eager credit (flow control), before the peer granted it
 
     @property
     def tag(self) -> int:
@@ -68,7 +68,7 @@ class OutgoingTransfer:
         """Record the peer's ack of the chunk at ``offset``; True when it was new."""
         chunk = self._by_offset.get(offset)
         if chunk is None or len(chunk.view) != length:
-            raise ProtocolError(f"ack for [{offset}, {offset + length}) matches no chunk of tag={self.tag} seq={self.seq}")
+            raise RemoteProtocolError(f"ack for [{offset}, {offset + length}) matches no chunk of tag={self.tag} seq={self.seq}")
         if chunk.acked:
             return False
         chunk.acked = True

@@ -1,0 +1,467 @@
+"""Validate wanlink.plan's models against measured training runs on the emulated WAN.
+
+Each configuration trains a small MLP with DDP over the wanlink backend between two network
+namespaces of a ``bench.wanem`` path (2 ranks: one per namespace; 4 ranks: two per namespace,
+which reach each other over Unix sockets, so the namespaces are two sites). Every rank first
+profiles its own training step with ``wanlink.plan.profiler.profile_model`` while the other ranks do
+the same (the same CPU sharing as in training), then trains and times its iterations. The
+prediction for a configuration uses the slowest rank's profile and a cluster description built
+from the path's settings (RTT, rate, the emulator's 1536 KiB window per flow, 1448/1500 goodput,
+the stream count), and compares the median measured iteration with the coarse and fine models.
+The headline predictions also take inputs measured in the same run (see ``predict``): the path's
+goodput (wanlink-iperf, 8 streams, 4 s) and send overhead (a lone 4 MiB all-reduce), both before
+the path's configurations, and the compute speed during training (from the forward passes, which
+do no communication).
+
+    sudo python3 dev.py bench bench/predict.py [--only NAME...] [--predict-only]
+
+``--predict-only`` recomputes the predictions from the measured runs saved in
+bench/results/predict.json (no emulator needed). Writes bench/results/predict.{json,png}.
+
+``--allocation`` instead benches heterogeneous batch allocation: two ranks on loopback, rank 1
+slowed by an injected sleep per sample; each rank fits f_i(x) = min(beta/alpha x, beta) from a
+doubling batch sweep, ``allocate_batches`` splits the global batch, and blocks of iterations with
+the equal and the allocated split alternate in the same run (bench/results/predict_allocation.*).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEPTH_IN, WIDTH, CLASSES, BATCH = 1024, 1024, 256, 64
+BUCKET_CAP_MB = 4
+SKIP_FIRST = 3  # excluded from the median: DDP bucket rebuild, TCP ramp-up, the first stale step
+LAN_RATE = "20 Gbit/s"  # wanlink over Unix sockets, bench/results/loopback_unix.json (median, 1 stream)
+LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8, order=None, iterations=None,
+            bucket_cap_mb=BUCKET_CAP_MB):
+    order = order or ("fcfs" if density is None else "edf")  # dense DDP all-reduces carry no deadline
+    return {"name": name, "ranks": ranks, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "density": density,
+            "staleness": staleness, "streams": streams, "order": order, "bucket_cap_mb": bucket_cap_mb,
+            "iterations": iterations or (10 if density is None and rate_mbit <= 100 else 20)}
+
+
+CONFIGS = [
+    _config("2r 10ms 2000M dense", 2, 10, 2000),
+    _config("2r 40ms 500M dense", 2, 40, 500),
+    _config("2r 80ms 100M dense", 2, 80, 100),
+    _config("2r 80ms 2000M dense 1 stream", 2, 80, 2000, streams=1),
+    _config("2r 80ms 2000M dense 8 streams", 2, 80, 2000),
+    _config("2r 80ms 2000M dense 2 buckets", 2, 80, 2000, bucket_cap_mb=25),
+    _config("2r 40ms 500M sparse 1%", 2, 40, 500, density=0.01),
+    _config("2r 80ms 100M sparse 1%", 2, 80, 100, density=0.01),
+    _config("2r 80ms 100M sparse 1% fcfs", 2, 80, 100, density=0.01, order="fcfs"),
+    _config("2r 40ms 500M sparse 1% stale-1", 2, 40, 500, density=0.01, staleness=1),
+    _config("2r 10ms 100M sparse 1% stale-1", 2, 10, 100, density=0.01, staleness=1),
+    _config("4r 10ms 500M dense", 4, 10, 500),
+    _config("4r 40ms 100M dense", 4, 40, 100),
+    _config("4r 80ms 500M sparse 1%", 4, 80, 500, density=0.01),
+    _config("4r 40ms 2000M sparse 1% stale-1", 4, 40, 2000, density=0.01, staleness=1),
+]
+
+
+def make_model():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(DEPTH_IN, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH),
+                               torch.nn.ReLU(), torch.nn.Linear(WIDTH, CLASSES))
+
+
+def make_batch(rank: int, size: int = BATCH):
+    import torch
+
+    generator = torch.Generator().manual_seed(rank)
+    return torch.randn(size, DEPTH_IN, generator=generator), torch.randint(0, CLASSES, (size,), generator=generator)
+
+
+def worker(args) -> None:
+    """One rank: profile, then train; writes its profile and iteration times as JSON."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import wanlink  # noqa: F401 - registers the backend
+    from wanlink.c10d import sparse_hook
+    from wanlink.plan.profiler import default_loss, profile_model
+
+    config = json.loads(args.config)
+    torch.set_num_threads(1)
+    os.environ.update(WANLINK_ADDR=args.address, WANLINK_STREAMS=str(config["streams"]), GLOO_SOCKET_IFNAME="wan0")
+    store = dist.TCPStore(args.master, args.port, config["ranks"], is_master=args.rank == 0,
+                          timeout=timedelta(seconds=120))
+    dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=config["ranks"])
+    torch.manual_seed(0)
+    model = make_model()
+    batch = make_batch(args.rank)
+    dist.barrier()
+    profile = profile_model(make_model(), batch, warmup=3, iterations=8, bucket_cap_mb=config["bucket_cap_mb"],
+                            density=config["density"], name="bench.predict MLP")
+    ddp = DDP(model, bucket_cap_mb=config["bucket_cap_mb"], gradient_as_bucket_view=True)
+    state = None
+    if config["density"] is not None:
+        if config["order"] == "fcfs":  # every exchange gets one deadline: the link serves them in launch order
+            real_scope = sparse_hook.deadline_scope
+            sparse_hook.deadline_scope = lambda _deadline: real_scope(1)
+        state = sparse_hook.BlockSparseState(density=config["density"], staleness=config["staleness"])
+        ddp.register_comm_hook(state, sparse_hook.block_sparse_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    dist.barrier()
+    seconds, forward = [], []
+    for _ in range(config["iterations"]):
+        begin = time.perf_counter()
+        optimizer.zero_grad()
+        loss = default_loss(ddp(batch[0]), batch)
+        forward.append(time.perf_counter() - begin)
+        loss.backward()
+        optimizer.step()
+        seconds.append(time.perf_counter() - begin)
+    if state is not None and state.flush():
+        optimizer.step()
+    dist.barrier()
+    Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(), "seconds": seconds,
+                                             "forward": forward}))
+    dist.destroy_process_group()
+
+
+PROBE_BYTES, PROBE_REPEATS = 4 * 1024 * 1024, 6
+
+
+def probe_worker(args) -> None:
+    """One of two ranks timing a lone 4 MiB all-reduce on the path (after warm-up): a link figure."""
+    import torch
+    import torch.distributed as dist
+
+    import wanlink  # noqa: F401 - registers the backend
+
+    os.environ.update(WANLINK_ADDR=args.address, WANLINK_STREAMS=str(LINK_STREAMS))
+    store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=2)
+    tensor = torch.ones(PROBE_BYTES // 4)
+    times = []
+    for repeat in range(PROBE_REPEATS + 3):
+        dist.barrier()
+        begin = time.perf_counter()
+        dist.all_reduce(tensor)
+        if repeat >= 3:
+            times.append(time.perf_counter() - begin)
+    if args.rank == 0:
+        Path(args.out_file).write_text(json.dumps({"seconds": times}))
+    dist.destroy_process_group()
+
+
+def send_overhead(path, rtt_ms: float, link_mbit: float, port: int) -> tuple[float, float]:
+    """(seconds of a lone 4 MiB all-reduce, what each of its 3 WAN send steps took beyond the one-way
+    delay and its bytes at the measured goodput): the model's ``send_overhead`` input."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "probe.json")
+        argv = [sys.executable, str(Path(__file__).resolve()), "--probe-worker", "--master", path.addr_a,
+                "--port", str(port), "--out-file", out]
+        procs = [path.popen_a(argv + ["--rank", "0", "--address", path.addr_a], env=env),
+                 path.popen_b(argv + ["--rank", "1", "--address", path.addr_b], env=env)]
+        if any(proc.wait(timeout=300) for proc in procs):
+            raise RuntimeError("the collective probe failed")
+        seconds = statistics.median(json.loads(Path(out).read_text())["seconds"])
+    data = PROBE_BYTES * 8 / (link_mbit * 1e6)  # 2 MiB each way twice: within the first windows
+    return seconds, max(0.0, (seconds - data - 3 * rtt_ms / 2e3) / 3)
+
+
+def measure(path, config: dict, port: int) -> dict:
+    """Run one configuration's ranks (half in each namespace) and collect their outputs."""
+    ranks = config["ranks"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, outs = [], []
+        for rank in range(ranks):
+            in_a = rank < ranks // 2
+            out = os.path.join(tmp, f"rank{rank}.json")
+            outs.append(out)
+            argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--config", json.dumps(config),
+                    "--rank", str(rank), "--master", path.addr_a, "--port", str(port), "--out-file", out,
+                    "--address", path.addr_a if in_a else path.addr_b]
+            procs.append((path.popen_a if in_a else path.popen_b)(argv, env=env))
+        codes = [proc.wait(timeout=900) for proc in procs]
+        if any(codes):
+            raise RuntimeError(f"{config['name']}: ranks exited with {codes}")
+        results = [json.loads(Path(out).read_text()) for out in outs]
+    per_rank = [statistics.median(r["seconds"][SKIP_FIRST:]) for r in results]
+    return {**config, "measured_s": max(per_rank), "per_rank_median_s": per_rank,
+            "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
+            "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results]}
+
+
+def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
+    from wanlink.plan import cluster_from_dict
+
+    half = row["ranks"] // 2
+    return cluster_from_dict({
+        "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": LAN_RATE, "efficiency": efficiency,
+                     "send_overhead": f"{overhead_ms} ms"},
+        "site": [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}],
+        "path": [{"sites": ["a", "b"], "rtt": f"{row['rtt_ms']} ms", "rate": f"{rate_mbit} Mbit/s"}]})
+
+
+def predict(row: dict) -> dict:
+    """Coarse and fine predictions for a measured row.
+
+    "profile only": the slowest rank's pre-run profile and the path's nominal settings. The
+    headline ("calibrated") uses three more measured inputs from the same run: the path's goodput
+    as wanlink-iperf measured it with 8 streams, the send overhead from a lone 4 MiB all-reduce on
+    the path (both just before the path's configurations), and the compute speed during training
+    (the profile scaled by the ratio of the ranks' median forward time in training to the
+    profiled one; forward passes do no communication).
+    """
+    from wanlink.plan import Choice, coarse, profile_from_json, simulate
+
+    choice = Choice(density=row["density"], staleness=row["staleness"], order=row["order"])
+    profiles = [profile_from_json(doc) for doc in row["profiles"]]
+    profile = max(profiles, key=lambda p: p.compute_s)
+    nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
+    scaled = [p.scaled(speed=p.forward_s / measured) for p, measured in zip(profiles, row["train_forward_s"])]
+    running = max(scaled, key=lambda p: p.compute_s)
+    calibrated = _cluster(row, row["link_mbit"], 1.0, row["send_overhead_ms"])
+    measured = row["measured_s"]
+    out = {"profile_compute_s": profile.compute_s, "running_compute_s": running.compute_s}
+    for label, cluster, prof in (("", calibrated, running), ("profile_only_", nominal, profile)):
+        fine, rough = simulate(cluster, prof, choice), coarse(cluster, prof, choice)
+        out.update({f"{label}fine_s": fine.iteration_s, f"{label}coarse_s": rough.iteration_s,
+                    f"{label}fine_error": (fine.iteration_s - measured) / measured,
+                    f"{label}coarse_error": (rough.iteration_s - measured) / measured})
+        if not label:
+            out["fine_breakdown"] = fine.breakdown
+    return out
+
+
+def plot(rows: list[dict], out: str):
+    from bench.reporting import new_figure, save_figure
+
+    fig, ax = new_figure(figsize=(7, 6.5))
+    measured = [r["measured_s"] for r in rows]
+    ax.scatter(measured, [r["fine_s"] for r in rows], label="fine (discrete-event)", marker="o")
+    ax.scatter(measured, [r["coarse_s"] for r in rows], label="coarse (closed form)", marker="x")
+    ax.scatter(measured, [r["profile_only_fine_s"] for r in rows], label="fine, profile and nominal link only",
+               marker="o", facecolors="none", edgecolors="C2")
+    values = measured + [r[k] for r in rows for k in ("fine_s", "coarse_s", "profile_only_fine_s")]
+    low, high = min(values) * 0.8, max(values) * 1.25
+    ax.plot([low, high], [low, high], color="grey", linewidth=1, label="predicted = measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured seconds per iteration (median, slowest rank)")
+    ax.set_ylabel("predicted seconds per iteration")
+    for r in rows:
+        ax.annotate(r["name"], (r["measured_s"], r["fine_s"]), fontsize=6, xytext=(3, -3), textcoords="offset points")
+    ax.legend(fontsize=8)
+    return save_figure(fig, out)
+
+
+def report(rows: list[dict], load: dict, out: str) -> None:
+    from bench.reporting import print_table, save_json
+
+    for row in rows:
+        row.update(predict(row))
+        row["fine_error_pct"], row["coarse_error_pct"] = 100 * row["fine_error"], 100 * row["coarse_error"]
+        row["profile_only_fine_error_pct"] = 100 * row["profile_only_fine_error"]
+    print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
+                       ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
+                       ("running_compute_s", "running compute s", ".3f"), ("measured_s", "measured s", ".3f"),
+                       ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
+                       ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
+                       ("profile_only_fine_s", "fine, profile only s", ".3f"),
+                       ("profile_only_fine_error_pct", "err %", "+.1f")])
+    summary = {}
+    for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"):
+        errors = [abs(r[f"{key}_error"]) for r in rows]
+        summary.update({f"{key}_mean_abs_error": statistics.mean(errors), f"{key}_max_abs_error": max(errors)})
+    print("\n" + "; ".join(f"{key.replace('_', ' ')}: mean |error| {100 * summary[key + '_mean_abs_error']:.1f} %, "
+                           f"max {100 * summary[key + '_max_abs_error']:.1f} %"
+                           for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"))
+          + f"; load {load}")
+    save_json(out, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST})
+    print("wrote", plot(rows, out))
+
+
+SLOW_RANK_S_PER_SAMPLE = 0.001  # rank 1's injected slowdown: it sleeps this long per sample each step
+ALLOCATION_GLOBAL_BATCH = 128
+ALLOCATION_ROUNDS, ALLOCATION_BLOCK = 3, 6  # equal and allocated splits alternate in blocks of iterations
+
+
+def allocation_worker(args) -> None:
+    """One rank of the allocation bench (loopback): fit f_i, allocate, then alternate equal and
+    allocated splits, timing every iteration."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import wanlink  # noqa: F401 - registers the backend
+    from wanlink.plan.allocate import allocate_batches, equal_split, fit_throughput, loss_weight, probe_batch_sizes
+    from wanlink.plan.profiler import default_loss
+
+    torch.set_num_threads(1)
+    slow = SLOW_RANK_S_PER_SAMPLE if args.rank == 1 else 0.0
+    store = dist.TCPStore("127.0.0.1", args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=2)
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def local_step(batch, weight=1.0, net=model):
+        optimizer.zero_grad()
+        loss = default_loss(net(batch[0]), batch)
+        time.sleep(slow * len(batch[0]))
+        (loss * weight).backward()
+        optimizer.step()
+
+    def measure(size):
+        batch = make_batch(args.rank, size)
+        local_step(batch)
+        times = []
+        for _ in range(3):
+            begin = time.perf_counter()
+            local_step(batch)
+            times.append(time.perf_counter() - begin)
+        return statistics.median(times)
+
+    samples, largest = probe_batch_sizes(measure, start=8, limit=ALLOCATION_GLOBAL_BATCH)
+    mine = fit_throughput(samples, max_batch=largest)
+    fits = [None, None]
+    dist.all_gather_object(fits, mine)
+    plan = allocate_batches(ALLOCATION_GLOBAL_BATCH, fits)
+    splits = {"equal": equal_split(ALLOCATION_GLOBAL_BATCH, 2), "allocated": plan.batches}
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    batches = {name: make_batch(args.rank, split[args.rank]) for name, split in splits.items()}
+    times = {name: [] for name in splits}
+    for _round in range(ALLOCATION_ROUNDS):
+        for name, split in splits.items():
+            weight = loss_weight(split[args.rank], ALLOCATION_GLOBAL_BATCH, 2)
+            for iteration in range(ALLOCATION_BLOCK):
+                dist.barrier()
+                begin = time.perf_counter()
+                local_step(batches[name], weight, ddp)
+                if iteration:  # the first of a block re-warms buffers for the new batch size
+                    times[name].append(time.perf_counter() - begin)
+    if args.rank == 0:
+        predicted = {name: max(f.seconds(b) for f, b in zip(fits, split)) for name, split in splits.items()}
+        Path(args.out_file).write_text(json.dumps({
+            "fits": [f.__dict__ for f in fits], "samples_rank0": samples, "splits": splits, "times": times,
+            "predicted_compute_s": predicted}))
+    dist.destroy_process_group()
+
+
+def allocation_bench(out: str) -> None:
+    import subprocess
+
+    from bench.reporting import new_figure, print_table, save_figure, save_json
+
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "allocation.json")
+        port = 29790
+        procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--allocation-worker",
+                                   "--rank", str(rank), "--port", str(port), "--out-file", result_file],
+                                  env={**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY})
+                 for rank in range(2)]
+        codes = [proc.wait(timeout=900) for proc in procs]
+        if any(codes):
+            raise RuntimeError(f"allocation bench ranks exited with {codes}")
+        result = json.loads(Path(result_file).read_text())
+    rows = [{"split": name, "batches": "/".join(map(str, result["splits"][name])),
+             "median_s": statistics.median(result["times"][name]), "predicted_compute_s": result["predicted_compute_s"][name]}
+            for name in ("equal", "allocated")]
+    speedup = rows[0]["median_s"] / rows[1]["median_s"]
+    load = {"before": load_before, "after": os.getloadavg()[0]}
+    print(f"2 ranks on loopback (wanlink backend), global batch {ALLOCATION_GLOBAL_BATCH}, rank 1 sleeps "
+          f"{SLOW_RANK_S_PER_SAMPLE * 1e3:g} ms per sample; fits (alpha, beta samples/s): "
+          + ", ".join(f"({f['alpha']:.1f}, {f['beta']:.0f})" for f in result["fits"]) + f"; load {load}")
+    print_table(rows, [("split", "split", ""), ("batches", "local batches", ""), ("median_s", "median s/iteration", ".3f"),
+                       ("predicted_compute_s", "predicted slowest compute s", ".3f")])
+    print(f"allocated vs equal split: {speedup:.2f}x faster (same run, blocks alternating)")
+    save_json(out, {"rows": rows, "speedup": speedup, "load": load, **result,
+                    "slow_rank_s_per_sample": SLOW_RANK_S_PER_SAMPLE, "global_batch": ALLOCATION_GLOBAL_BATCH})
+    fig, ax = new_figure(figsize=(6, 4))
+    labels = [f"{r['split']}\n{r['batches']}" for r in rows]
+    ax.bar([0, 1], [r["median_s"] for r in rows], width=0.4, label="measured (median)")
+    ax.bar([0.4, 1.4], [r["predicted_compute_s"] for r in rows], width=0.4, label="predicted slowest rank's compute")
+    ax.set_xticks([0.2, 1.2], labels)
+    ax.set_ylabel("seconds per iteration")
+    ax.legend(fontsize=8)
+    print("wrote", save_figure(fig, out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=[c["name"] for c in CONFIGS], help="configurations to run")
+    parser.add_argument("--predict-only", action="store_true",
+                        help="recompute predictions from the measured rows in bench/results/<out>.json")
+    parser.add_argument("--out", default="predict", help="result name under bench/results/")
+    parser.add_argument("--allocation", action="store_true",
+                        help="instead: the heterogeneous batch allocation bench (loopback, no emulator)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--allocation-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--config", "--master", "--address"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out-file", dest="out_file", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.probe_worker:
+        probe_worker(args)
+        return 0
+    if args.allocation_worker:
+        allocation_worker(args)
+        return 0
+    if args.allocation:
+        allocation_bench(args.out if args.out != "predict" else "predict_allocation")
+        return 0
+    from bench.reporting import RESULTS
+
+    if args.predict_only:
+        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
+        report(saved["rows"], saved["load"], args.out)
+        return 0
+    from bench.wan_throughput import run_wanlink
+    from bench.wanem.netns import WanPath
+
+    chosen = [c for c in CONFIGS if not args.only or c["name"] in args.only]
+    load = {"before": os.getloadavg()[0]}
+    rows = []
+    paths = sorted({(c["rtt_ms"], c["rate_mbit"]) for c in chosen})
+    for rtt_ms, rate_mbit in paths:
+        with WanPath(rtt_ms=rtt_ms, rate_mbit=rate_mbit) as path:
+            for run in (path.run_a, path.run_b):  # every variant alike: no slow start after idle
+                run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
+            link_mbit = run_wanlink(path, LINK_STREAMS, LINK_SECONDS, None)["gbps"] * 1e3
+            probe_s, overhead = send_overhead(path, rtt_ms, link_mbit, 29690)
+            print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s; "
+                  f"lone 4 MiB all-reduce {probe_s * 1e3:.0f} ms: send overhead {overhead * 1e3:.1f} ms", flush=True)
+            for config in [c for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)]:
+                started = time.monotonic()
+                row = measure(path, config, 29700 + len(rows))
+                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit,
+                           probe_allreduce_s=probe_s, send_overhead_ms=overhead * 1e3)
+                rows.append(row)
+                print(f"{config['name']}: {row['measured_s']:.3f} s/iteration ({row['wall_s']:.0f} s, "
+                      f"load {row['load1']:.2f})", flush=True)
+    load["after"] = os.getloadavg()[0]
+    report(rows, load, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

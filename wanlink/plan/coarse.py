@@ -1,0 +1,86 @@
+"""The coarse model: closed-form iteration times (Li et al., TPDS'22, section 3.1) (pure).
+
+Ring all-reduce (their eq. 11, with per-bucket overlap): every bucket's collective sends for
+``c_b = bytes_per_edge / rate`` alone on the network (``2(K-1)/K x M_b`` per edge for a ring
+all-reduce, ``(K-1) x m_b`` for a sparse ring all-gather, ``M_b`` or ``m_b`` for a direct
+exchange); sends run one after another, each starting when its bucket is ready (``r_b``, seconds
+after backward starts, plus the sparse hook's time so far), and the delays of the last
+collective (``L``: hops x one-way delay, plus the acknowledgement) follow::
+
+    f_0 = r_0 + c_0,   f_b = max(r_b, f_{b-1}) + c_b
+    T   = T_F + max(T_B + H, f_last + L) + T_S              (staleness 0)
+    T   = max(T_F + T_B + H + T_S, sum_b c_b + L)           (staleness 1)
+
+Parameter server (their eq. 10, hybrid of the PS and FCFS sharing models, maximal overlap)::
+
+    T = max(K M / B, T_F) + max((K + 1) M / (2 B), T_B) + T_S
+
+with ``B`` the rate one worker gets to the server alone. Compute times are the slowest rank's.
+"""
+from __future__ import annotations
+
+from wanlink.errors import ConfigError
+from wanlink.plan.choice import Choice, bucket_message_bytes, bucket_phases, rank_profiles, sparsify_seconds
+from wanlink.plan.cluster import Cluster
+from wanlink.plan.profile import Profile
+from wanlink.plan.simulate import Prediction
+from wanlink.plan.topology import Network
+
+ARCHITECTURES = ("ring", "ps")
+
+
+def collective_seconds(net: Network, phases) -> float:
+    """A bucket's collective alone on the network: its phases one after another, each as long as
+    its slowest transfer."""
+    return sum(max(t.duration_alone(net.capacity) for t in phase) for phase in phases)
+
+
+def collective_latency(phases) -> float:
+    """The part of a collective's time that is waiting on delays, not sending."""
+    return sum(max(t.latency_s for t in phase) for phase in phases)
+
+
+def server_rate(net: Network) -> float:
+    """B of the parameter-server model: the rate the slowest worker gets to a server on rank 0's site alone."""
+    server = net.rank_site[0]
+    rates = [net.capacity[("lan", server)]] + [net.capacity[key] for key in (("host_out", 0), ("host_in", 0))
+                                               if key in net.capacity]
+    for site in set(net.rank_site) - {server}:
+        rates += [net.capacity[("wan", server, site)], net.edge_cap(server, site)]
+    return min(rates)
+
+
+def coarse(cluster: Cluster, profile: Profile, choice: Choice = Choice(), architecture: str = "ring") -> Prediction:
+    if architecture not in ARCHITECTURES:
+        raise ConfigError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    choice.check(cluster.world_size)
+    profiles = rank_profiles(cluster, profile, choice)
+    slowest = max(profiles, key=lambda p: p.compute_s)
+    forward, backward, step = slowest.forward_s, slowest.backward_s, slowest.step_s
+    hooks = sparsify_seconds(profile, choice)
+    hook = sum(hooks)
+    net, phases = bucket_phases(cluster, profile, choice)
+    wan_bytes = sum(t.wan_bytes for bucket in phases for phase in bucket for t in phase)
+    if architecture == "ps":
+        total = float(sum(bucket_message_bytes(profile, choice)))
+        k = cluster.world_size
+        rate = server_rate(net)
+        down, up = (k * total / rate, (k + 1) * total / (2 * rate)) if k > 1 else (0.0, 0.0)
+        iteration = max(down, forward) + max(up, backward + hook) + step
+        comm = down + up
+    else:
+        latencies = [collective_latency(bucket) for bucket in phases]
+        sends = [collective_seconds(net, bucket) - latency for bucket, latency in zip(phases, latencies)]
+        finish, hook_so_far = 0.0, 0.0
+        for bucket, send, bucket_hook in zip(slowest.buckets, sends, hooks):
+            hook_so_far += bucket_hook
+            finish = max(bucket.ready_s + hook_so_far, finish) + send
+        finish += latencies[-1] if latencies else 0.0
+        comm = sum(sends) + (latencies[-1] if latencies else 0.0)
+        if choice.staleness:
+            iteration = max(forward + backward + hook + step, comm)
+        else:
+            iteration = forward + max(backward + hook, finish) + step
+    breakdown = {"forward_s": forward, "backward_s": backward, "hook_s": hook, "step_s": step,
+                 "wait_s": max(0.0, iteration - forward - backward - hook - step)}
+    return Prediction("coarse", choice, iteration, breakdown, wan_bytes, comm)
