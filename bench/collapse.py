@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -58,16 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         return {"shape": shape, "seed": seed, "mode": mode, "optimizer": optimizer, "warmup": WARMUP, "trace": True}
 
     def show(run):
-        print(f"  seed {run['seed']} {run['mode']} {run['optimizer']}: {run.get('final', run.get('refused'))}",
+        print(f"  seed {run['seed']} {run['mode']} {run['optimizer']}: {run.get('final', run.get('failed'))}",
               flush=True)
 
     uncorrected = run_jobs([job("sparse s1", "sgd-uncorrected", seed) for seed in args.seeds], show)
-    failing = min(uncorrected, key=lambda run: min(p["metric"] for p in run["curve"]))["seed"]
+    # the seed whose run fell lowest (a run that diverged to NaN keeps its curve up to there)
+    failing = min(uncorrected, key=lambda run: min((p["metric"] for p in run["curve"]), default=0.0))["seed"]
     others = run_jobs([job(mode, optimizer, failing) for mode, optimizer, _ in VARIANTS
                        if optimizer != "sgd-uncorrected"], show)
     runs = uncorrected + others
-    rows = [{"seed": r["seed"], "variant": label, "lowest": min(p["metric"] for p in r["curve"]), "final": r["final"],
-             "peak_momentum": max(t["momentum_norm"] for t in r["trace"])}
+    rows = [{"seed": r["seed"], "variant": label, "lowest": min((p["metric"] for p in r["curve"]), default=math.nan),
+             "final": r.get("final", math.nan), "peak_momentum": max((t["momentum_norm"] for t in r["trace"]),
+                                                                     default=math.nan),
+             "diverged": r.get("failed", "")}
             for r in runs for mode, optimizer, label in VARIANTS if (r["mode"], r["optimizer"]) == (mode, optimizer)]
     print_table(rows, [("seed", "seed", "d"), ("variant", "variant", ""), ("lowest", "lowest test acc %", ".1f"),
                        ("final", "final %", ".1f"), ("peak_momentum", "peak |momentum|", ".1f")])

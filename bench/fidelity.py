@@ -150,7 +150,7 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
     except ConfigError as error:  # refused at the first optimizer step
         return {**job, "refused": f"{type(error).__name__}: {error}"}
     except Exception as error:  # noqa: BLE001 - e.g. diverged to NaN: a failed cell, not a crash of the matrix
-        return {**job, "failed": f"{type(error).__name__}: {error}"}
+        return {**job, "failed": f"{type(error).__name__}: {error}", "curve": curve, "trace": trace}
     return {**job, "final": curve[-1]["metric"], "curve": curve, "trace": trace,
             "seconds": time.perf_counter() - start, "bytes_sent": state.bytes_sent if state else None}
 

@@ -39,7 +39,7 @@ VOCAB = 128  # ASCII; other bytes map to "?"
 
 
 def _digits(standardise: bool):
-    from wanlink.cli.demo import load_split
+    from bench.convergence import load_split  # scikit-learn's bundled digits, a fixed 80/20 split
 
     train_x, train_y, test_x, test_y = load_split()
     if standardise:
