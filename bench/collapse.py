@@ -40,8 +40,33 @@ def smooth(values: list[float], width: int = 9) -> list[float]:
             for i in range(len(values))]
 
 
+def plot(runs: list[dict], shape: str, failing: int) -> None:
+    """Accuracy, loss, update norm and momentum norm per step of every variant on the failing seed."""
+    from bench.reporting import new_figure, save_figure
+
+    fig, axes = new_figure(4, 1, figsize=(9, 11), sharex=True)
+    for mode, optimizer, label in VARIANTS:
+        run = next(r for r in runs if r["seed"] == failing and (r["mode"], r["optimizer"]) == (mode, optimizer))
+        steps = [t["step"] for t in run["trace"]]
+        axes[0].plot([p["step"] for p in run["curve"]], [p["metric"] for p in run["curve"]], marker="o", label=label)
+        axes[1].plot(steps, smooth([t["loss"] for t in run["trace"]]), label=label)
+        axes[2].plot(steps, [t["update_norm"] for t in run["trace"]], lw=0.8, label=label)
+        axes[3].plot(steps, [t["momentum_norm"] for t in run["trace"]], lw=0.8, label=label)
+    for ax, ylabel in zip(axes, ("test accuracy (%)", "training loss (9-step mean)", "|parameter update| per step",
+                                 "|momentum| (optimizer + hook)")):
+        ax.set_ylabel(ylabel)
+        ax.axvline(WARMUP, color="grey", lw=0.5, ls=":")
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    axes[3].set_yscale("log")
+    axes[3].set_xlabel("step")
+    axes[0].set_title(f"{shape}, seed {failing}, 2 ranks, batch 16 per rank (dotted: end of dense warm-up)")
+    axes[0].legend(fontsize=7)
+    print("wrote", save_figure(fig, "collapse"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import new_figure, print_table, save_figure, save_json
+    from bench.reporting import print_table, save_json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -81,24 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     save_json("collapse", {"shape": shape, "steps": steps, "warmup_steps": WARMUP, "failing_seed": failing,
                            "load_before": load_before, "load_after": os.getloadavg(), "rows": rows, "runs": runs})
 
-    fig, axes = new_figure(4, 1, figsize=(9, 11), sharex=True)
-    for mode, optimizer, label in VARIANTS:
-        run = next(r for r in runs if r["seed"] == failing and (r["mode"], r["optimizer"]) == (mode, optimizer))
-        steps = [t["step"] for t in run["trace"]]
-        axes[0].plot([p["step"] for p in run["curve"]], [p["metric"] for p in run["curve"]], marker="o", label=label)
-        axes[1].plot(steps, smooth([t["loss"] for t in run["trace"]]), label=label)
-        axes[2].plot(steps, [t["update_norm"] for t in run["trace"]], lw=0.8, label=label)
-        axes[3].plot(steps, [t["momentum_norm"] for t in run["trace"]], lw=0.8, label=label)
-    for ax, ylabel in zip(axes, ("test accuracy (%)", "training loss (9-step mean)", "|parameter update| per step",
-                                 "|momentum| (optimizer + hook)")):
-        ax.set_ylabel(ylabel)
-        ax.axvline(WARMUP, color="grey", lw=0.5, ls=":")
-    axes[1].set_yscale("log")
-    axes[3].set_yscale("log")
-    axes[3].set_xlabel("step")
-    axes[0].set_title(f"{shape}, seed {failing}, 2 ranks, batch 16 per rank (dotted: end of dense warm-up)")
-    axes[0].legend(fontsize=7)
-    print("wrote", save_figure(fig, "collapse"))
+    plot(runs, shape, failing)
     return 0
 
 
