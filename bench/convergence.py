@@ -1,7 +1,7 @@
 """Convergence of block-sparse training against dense DDP: 2 ranks over loopback, scikit-learn digits.
 
 Variants, same seeds and data split: dense DDP on gloo; wanlink with the block-sparse hook at 1 %
-density and error feedback; the same with partial staleness 1. Prints the per-epoch test accuracy,
+density and error feedback, SGD's momentum in the hook; the same with partial staleness 1. Prints the per-epoch test accuracy,
 writes convergence.{json,png} to --out (bench/results/ with --publish). tests/c10d/test_convergence.py runs it on CI.
 
     python3 dev.py bench bench/convergence.py [--epochs 30] [--density 0.01]
@@ -61,10 +61,11 @@ def train_rank(rank: int, world: int, init_file: str, variant: dict, epochs: int
         ddp = DDP(model)
         state = None
         if variant["density"] is not None:
+            # momentum 0.9 in the hook (momentum correction) and none in the optimizer: docs/sparse.md
             state = BlockSparseState(density=variant["density"], warmup_steps=warmup_steps,
-                                     staleness=variant["staleness"])
+                                     staleness=variant["staleness"], momentum=0.9)
             ddp.register_comm_hook(state, block_sparse_hook)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.0 if state else 0.9)
         train_x, train_y, test_x, test_y = load_split()
         mean, std = train_x.mean(0), train_x.std(0) + 1e-6  # standardised: steadier for momentum SGD
         train_x, test_x = (train_x - mean) / std, (test_x - mean) / std

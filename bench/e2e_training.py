@@ -90,23 +90,34 @@ def worker(args) -> None:
         store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
         dist.init_process_group(variant["backend"], store=store, rank=args.rank, world_size=2)
     torch.manual_seed(0)
-    model = make_model()
-    teacher = torch.nn.Linear(DEPTH_IN, CLASSES)
+    if args.shape:  # one of bench/fidelity.py's shapes: its model and its own real batches
+        from bench.fidelity_models import SHAPES, Task
+
+        task = Task(SHAPES[args.shape], 0, args.rank, 2)
+        model = task.model
+        batches = [task.batch(i) for i in range(DATA_BATCHES)]
+    else:
+        model = make_model()
+        teacher = torch.nn.Linear(DEPTH_IN, CLASSES)
     ddp = DDP(model, gradient_as_bucket_view=True) if distributed else model
     state = None
     clock = {"hook_s": 0.0, "returned": None}
     if variant["density"] is not None:
+        # SGD's momentum goes into the hook unless SparseSGD keeps it (docs/sparse.md)
         state = BlockSparseState(density=variant["density"], staleness=variant["staleness"],
-                                 sparse_optimizer=variant["sparse_optimizer"])
+                                 sparse_optimizer=variant["sparse_optimizer"],
+                                 momentum=0.0 if variant["sparse_optimizer"] else 0.9)
         ddp.register_comm_hook(state, timed(block_sparse_hook, clock))
     elif variant["fp16_wire"]:
         ddp.register_comm_hook(None, fp16_compress_hook)
+    momentum = 0.0 if state is not None and state.momentum else 0.9
     optimizer = (SparseSGD if variant["sparse_optimizer"] else torch.optim.SGD)(ddp.parameters(), lr=0.01,
-                                                                                momentum=0.9)
-    data = torch.Generator().manual_seed(args.rank)
-    inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
-    with torch.no_grad():
-        labels = [teacher(x).argmax(1) for x in inputs]
+                                                                                momentum=momentum)
+    if not args.shape:
+        data = torch.Generator().manual_seed(args.rank)
+        inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
+        with torch.no_grad():
+            batches = [(x, teacher(x).argmax(1)) for x in inputs]
     records = []
     if distributed:
         dist.barrier()
@@ -115,8 +126,9 @@ def worker(args) -> None:
         begin, cpu_begin = time.perf_counter(), time.process_time()
         clock.update(hook_s=0.0, returned=None)
         optimizer.zero_grad()
-        output = ddp(inputs[iteration % DATA_BATCHES])
-        loss = torch.nn.functional.cross_entropy(output, labels[iteration % DATA_BATCHES])
+        inputs, labels = batches[iteration % DATA_BATCHES]
+        output = ddp(inputs)
+        loss = torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), labels.reshape(-1))
         forward_end = time.perf_counter()
         loss.backward()
         backward_end = time.perf_counter()
@@ -143,10 +155,10 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool) -> dict:
+def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool, shape: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name,
+        common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name, "--shape", shape,
                   "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--rank-out", out]
         env = {**os.environ, "PYTHONPATH": str(ROOT), **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env)]
@@ -225,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()))
     parser.add_argument("--name", default="e2e_training", help="file name of the JSON and PNG")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
+    parser.add_argument("--shape", default="", help="train one of bench/fidelity_models.py's SHAPES on its data "
+                        f"instead of the {WIDTH}-wide MLP on a teacher task")
     add_output_options(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--variant", "--master", "--rank-out", "--address"):
@@ -249,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             set_slow_start_after_idle(path, args.slow_start_after_idle)
             for index, name in enumerate(args.variants):
                 row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index,
-                                  keep_freed_memory=args.malloc == "keep-freed")
-                row.update(rate_mbit=rate, rtt_ms=args.rtt_ms, slow_start_after_idle=args.slow_start_after_idle,
+                                  keep_freed_memory=args.malloc == "keep-freed", shape=args.shape)
+                row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms, slow_start_after_idle=args.slow_start_after_idle,
                            malloc=args.malloc)
                 if "median_hook_s" in row:
                     row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
@@ -266,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                                             if same_wire else float("nan"))
         # a dense all-reduce of 2 ranks moves every gradient byte once each way: the bandwidth floor
         row["dense_floor_s"] = 8 * 4 * row["params"] / (row["rate_mbit"] * 1e6)
-    print(f"\n{rows[0]['params'] / 1e6:.1f}M parameters, batch {BATCH}, 2 ranks, {args.rtt_ms:g} ms RTT, "
+    batch = 16 if args.shape else BATCH  # bench.fidelity_models.BATCH
+    print(f"\n{args.shape or 'MLP'}: {rows[0]['params'] / 1e6:.2f}M parameters, batch {batch}, 2 ranks, {args.rtt_ms:g} ms RTT, "
           f"tcp_slow_start_after_idle={args.slow_start_after_idle}; load {os.getloadavg()[0]:.2f}; "
           "phases are medians (hook and wait: sparse variants only)")
     print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("iterations", "iters", "d"),

@@ -47,7 +47,8 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
                   meta: dict | None = None, timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None,
                   congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
                   checksum: bool = False, limits: Limits | None = None, unix_name: str | None = None,
-                  secure: bool | None = None, settings: Settings | None = None) -> Link:
+                  secure: bool | None = None, chunk_order: str | None = None,
+                  settings: Settings | None = None) -> Link:
     """Open a Link of ``streams`` TCP streams to a wanlink server and authenticate each one.
 
     ``streams`` defaults to WANLINK_STREAMS, else to a count probed on the path (1, 2, 4, ... up to
@@ -59,8 +60,9 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     namespace only); the streams are Unix sockets, not probed (default 4). ``limits`` default to
     the protocol's, with WANLINK_STAGING_BYTES. ``secure`` (default WANLINK_SECURE): every frame
     encrypted and authenticated, keys derived from the secret and each stream's handshake
-    (docs/security.md). ``settings`` replaces the environment (default
-    ``wanlink.settings.from_env()``).
+    (docs/security.md). ``chunk_order`` defaults to WANLINK_CHUNK_ORDER: "edf" sends chunks
+    earliest deadline first, "fcfs" in arrival order. ``settings`` replaces the environment
+    (default ``wanlink.settings.from_env()``).
     """
     settings = from_env() if settings is None else settings
     limits = limits_from(settings) if limits is None else limits
@@ -82,18 +84,20 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
             chunk_size = probed_chunk
     return await open_link(host, port, streams=count, secret=key, meta=meta, timeout=timeout, chunk_size=chunk_size,
                            congestion=congestion, sock_buffer=sock_buffer, compress=compress, checksum=checksum,
-                           limits=limits, unix_name=unix_name, secure=secure)
+                           limits=limits, unix_name=unix_name, secure=secure,
+                           chunk_order=settings.chunk_order if chunk_order is None else chunk_order)
 
 
 async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = None,
                 timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None, backlog: int = 128,
                 chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
                 compress: bool = False, checksum: bool = False, unix: bool = False,
-                auth_timeout: float = AUTH_TIMEOUT, secure: bool | None = None,
+                auth_timeout: float = AUTH_TIMEOUT, secure: bool | None = None, chunk_order: str | None = None,
                 settings: Settings | None = None) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
-    ``secret`` defaults to WANLINK_SECRET, ``chunk_size`` to WANLINK_CHUNK_SIZE and ``limits`` to the
+    ``secret`` defaults to WANLINK_SECRET, ``chunk_size`` to WANLINK_CHUNK_SIZE, ``chunk_order`` to
+    WANLINK_CHUNK_ORDER and ``limits`` to the
     protocol's with WANLINK_STAGING_BYTES (``settings`` replaces the environment). ``unix=True``
     also listens on an abstract Unix socket (``server.unix_name``) for processes of the same host
     and network namespace: the same
@@ -110,7 +114,8 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
                               chunk_size=settings.chunk_size if chunk_size is None else chunk_size,
                               congestion=congestion, sock_buffer=sock_buffer, compress=compress,
                               checksum=checksum, unix=unix, auth_timeout=auth_timeout,
-                              secure=settings.secure if secure is None else secure)
+                              secure=settings.secure if secure is None else secure,
+                              chunk_order=settings.chunk_order if chunk_order is None else chunk_order)
 
 
 async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, sock_buffer, timeout: float,

@@ -16,6 +16,7 @@ from typing import Literal
 from wanlink.errors import ConfigError
 from wanlink.proto.limits import DEFAULT_LIMITS, MiB, Limits
 from wanlink.sched.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from wanlink.sched.edf import CHUNK_ORDERS
 from wanlink.sched.sites import check_site_name
 
 StreamCount = int | Literal["auto"] | None
@@ -51,6 +52,13 @@ def _text(name: str, raw: str) -> str:
 
 def _optional_text(name: str, raw: str) -> str | None:
     return raw.strip() or None
+
+
+def _chunk_order(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in CHUNK_ORDERS:
+        raise ConfigError(f"{name} must be one of {', '.join(CHUNK_ORDERS)}, got {raw!r}")
+    return value
 
 
 def _streams(name: str, raw: str) -> StreamCount:
@@ -102,6 +110,9 @@ VARIABLES: tuple[Variable, ...] = (
              "TCP streams per link (1-64), or `auto` to probe even towards loopback"),
     Variable("WANLINK_CHUNK_SIZE", "chunk_size", _chunk_size, "unset: the probe's choice, 4 MiB on local links",
              "bytes per chunk (262144-4194304)"),
+    Variable("WANLINK_CHUNK_ORDER", "chunk_order", _chunk_order, "edf",
+             "order in which a link sends queued chunks: `edf` (earliest deadline: iteration, then layer) "
+             "or `fcfs` (arrival order)"),
     Variable("WANLINK_UNIX", "unix", _flag, "1",
              "0: ranks of one host link over TCP loopback instead of abstract Unix sockets"),
     Variable("WANLINK_ADDR", "addr", _optional_text, "derived from the Store",
@@ -137,6 +148,7 @@ class Settings:
     secret: str | None = None
     streams: StreamCount = None
     chunk_size: int | None = None
+    chunk_order: str = "edf"
     unix: bool = True
     addr: str | None = None
     bind: str | None = None

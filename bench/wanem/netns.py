@@ -11,6 +11,9 @@ tears everything down again::
         path.run_a(["iperf3", "-c", path.addr_b, "-t", "10"])
 
 CLI: ``python3 -m bench.wanem.netns up|run|down`` (see ``--help``).
+``path.change(rate_mbit=100)`` (and ``rtt_ms``, ``loss``, ``queue_kb``) reshapes the running
+path in place: the emulator takes the new parameters without touching its devices, so open
+TCP connections carry on at the new rate.
 """
 from __future__ import annotations
 
@@ -61,14 +64,15 @@ class Link:
     queue_kb: float | None = None
     queue_pkts: int | None = None
 
+    def options(self, d: str) -> list[tuple[str, str]]:
+        """(option, value) pairs for direction ``d`` ("ab" or "ba"), as wanem names them (queue 0: none)."""
+        return [(f"delay-ms-{d}", repr(self.delay_ms)), (f"rate-mbit-{d}", repr(self.rate_mbit)),
+                (f"loss-{d}", repr(self.loss)),
+                (f"queue-bytes-{d}", str(int(self.queue_kb * 1024)) if self.queue_kb is not None else "0"),
+                (f"queue-pkts-{d}", str(int(self.queue_pkts)) if self.queue_pkts is not None else "0")]
+
     def args(self, d: str) -> list[str]:
-        out = [f"--delay-ms-{d}", repr(self.delay_ms), f"--rate-mbit-{d}", repr(self.rate_mbit),
-               f"--loss-{d}", repr(self.loss)]
-        if self.queue_kb is not None:
-            out += [f"--queue-bytes-{d}", str(int(self.queue_kb * 1024))]
-        if self.queue_pkts is not None:
-            out += [f"--queue-pkts-{d}", str(int(self.queue_pkts))]
-        return out
+        return [text for option, value in self.options(d) for text in (f"--{option}", value)]
 
 
 def check_environment(programs: tuple[str, ...] = ()) -> None:
@@ -146,6 +150,16 @@ def wan_link(rtt_ms: float, rate_mbit: float, loss: float, queue_kb: float | Non
     return Link(rtt_ms / 2, rate_mbit, loss, queue_kb, queue_pkts)
 
 
+def changed_link(link: Link, rtt_ms: float | None = None, rate_mbit: float | None = None,
+                 loss: float | None = None, queue_kb: float | None = None) -> Link:
+    """``link`` with the given fields replaced; a new rate moves a default-sized queue with it."""
+    rate = link.rate_mbit if rate_mbit is None else rate_mbit
+    if queue_kb is None and rate_mbit is not None and link.queue_pkts is None:
+        queue_kb = wan_link(0.0, rate, 0.0, None, None).queue_kb
+    return Link(link.delay_ms if rtt_ms is None else rtt_ms / 2, rate, link.loss if loss is None else loss,
+                link.queue_kb if queue_kb is None else queue_kb, link.queue_pkts)
+
+
 def check_link(link: Link) -> None:
     if link.delay_ms < 0 or link.rate_mbit < 0 or not 0 <= link.loss <= 1:
         raise ValueError(f"invalid link {link}")
@@ -172,9 +186,12 @@ class Emulator:
     def __init__(self, binary: Path, workdir: str, name: str, ns_a: str, ns_b: str, ab: Link, ba: Link, *,
                  seed: int, offload: bool, dev_a: str = DEV, dev_b: str = DEV):
         self.stats_path = os.path.join(workdir, f"{name}.stats.json")
+        self.control_path = os.path.join(workdir, f"{name}.control")
+        self.changes = 0
         self._stderr_path = os.path.join(workdir, f"{name}.stderr")
         argv = [str(binary), "--ns-a", str(NETNS_DIR / ns_a), "--ns-b", str(NETNS_DIR / ns_b),
-                "--dev", dev_a, "--dev-b", dev_b, "--stats", self.stats_path, "--seed", str(seed),
+                "--dev", dev_a, "--dev-b", dev_b, "--stats", self.stats_path,
+                "--control", self.control_path, "--seed", str(seed),
                 "--parent", str(os.getpid()), *ab.args("ab"), *ba.args("ba")]
         if not offload:
             argv.append("--no-offload")
@@ -193,16 +210,33 @@ class Emulator:
 
     def stats(self) -> dict:
         """Counters per direction ("ab", "ba"), written by the emulator on SIGUSR1."""
+        self._signal_and_wait(signal.SIGUSR1, self.stats_path)
+        return self.read_stats()
+
+    def reshape(self, ab: Link, ba: Link) -> None:
+        """Give the running emulator new parameters (SIGUSR2 + control file); its devices and the
+        connections over them stay. WanemError when it refuses them (it then keeps the old ones)."""
+        check_link(ab)
+        check_link(ba)
+        text = "".join(f"{option} {value}\n" for link, d in ((ab, "ab"), (ba, "ba")) for option, value in link.options(d))
+        Path(self.control_path).write_text(text)
+        reply = self._signal_and_wait(signal.SIGUSR2, self.control_path + ".ack")
+        if reply != f"ok {self.changes + 1}":
+            raise WanemError(f"wanem refused the change: {reply}")
+        self.changes += 1
+
+    def _signal_and_wait(self, sig: int, path: str) -> str:
+        """Send ``sig`` and wait until the emulator rewrote ``path``; its text."""
         if self.proc.poll() is not None:
             raise WanemError("emulator is not running")
-        before = os.stat(self.stats_path).st_mtime_ns if os.path.exists(self.stats_path) else 0
-        self.proc.send_signal(signal.SIGUSR1)
+        before = os.stat(path).st_mtime_ns if os.path.exists(path) else 0
+        self.proc.send_signal(sig)
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
-            if os.path.exists(self.stats_path) and os.stat(self.stats_path).st_mtime_ns != before:
-                return self.read_stats()
+            if os.path.exists(path) and os.stat(path).st_mtime_ns != before:
+                return Path(path).read_text().strip()
             time.sleep(0.005)
-        raise WanemError("emulator did not write its stats")
+        raise WanemError(f"emulator did not answer {signal.Signals(sig).name} (no new {os.path.basename(path)})")
 
     def stop(self) -> dict | None:
         """Terminate it (the TUN devices go with it); return its last counters."""
@@ -411,6 +445,25 @@ class WanPath(Topology):
     def popen_b(self, argv: list[str], **kw) -> subprocess.Popen:
         """subprocess.Popen in namespace B; terminated by down() if still running."""
         return self.popen_in(self.ns_b, argv, **kw)
+
+    # -- changing the running path ------------------------------------------------------------
+
+    def change(self, rtt_ms: float | None = None, rate_mbit: float | None = None, loss: float | None = None,
+               queue_kb: float | None = None, *, ab: Link | None = None, ba: Link | None = None) -> None:
+        """Reshape the running path in both directions (or per direction with ``ab``/``ba``);
+        what is not given stays. A new rate without ``queue_kb`` also moves the default queue
+        (20 ms at the new rate). Connections stay open; returns once the emulator applied it."""
+        if not self._emulators:
+            raise WanemError("emulator is not running")
+        if ab is None and ba is None:
+            ab, ba = (changed_link(link, rtt_ms, rate_mbit, loss, queue_kb) for link in (self.ab, self.ba))
+        ab, ba = ab or self.ab, ba or self.ba
+        self._emulators[0].reshape(ab, ba)
+        self.ab, self.ba = ab, ba
+
+    @property
+    def changes(self) -> int:
+        return self._emulators[0].changes if self._emulators else 0
 
     # -- emulator introspection ---------------------------------------------------------------
 

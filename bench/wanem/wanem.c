@@ -14,6 +14,12 @@
  *
  * Control: prints "READY" on stdout once both devices exist; SIGUSR1 writes counters as JSON
  * to --stats; SIGTERM/SIGINT write them and exit. Exits by itself when its parent dies.
+ * SIGUSR2 re-reads --control FILE ("option value" pairs, the per-direction options of the
+ * command line, e.g. "rate-mbit-ab 100") and applies it to the running path without touching
+ * the TUN devices, so connections survive: each direction's worker takes the new parameters
+ * before its next packet; packets already queued keep their departure and release times (no
+ * reordering: a shorter delay takes effect once the packets of the longer one have left).
+ * The outcome is written to FILE.ack: "ok N" (N changes so far) or "error: why" (nothing changed).
  * Needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root).
  */
 #define _GNU_SOURCE
@@ -78,11 +84,14 @@ struct dir {
     uint64_t qents, qbytes, qpkts;
     double last_dep;
     struct stats st;            /* written by the worker only; read with relaxed atomics */
+    pthread_mutex_t lock;       /* guards next: the parameters main publishes for the worker */
+    struct cfg next;
+    uint32_t next_gen, gen;     /* next_gen != gen: the worker has not taken `next` yet */
     uint8_t scratch[MAXPKT];
 };
 
 static int vnet = 1;            /* TUN devices carry struct virtio_net_hdr */
-static const char *stats_path;
+static const char *stats_path, *control_path;
 
 static void die(const char *fmt, ...)
 {
@@ -400,6 +409,35 @@ static void release(struct dir *d, uint64_t now)
     }
 }
 
+static void apply_cfg(struct dir *d, struct cfg c)
+{
+    d->c = c;
+    d->delay_ns = (uint64_t)llround(c.delay_ms * 1e6);
+    d->ns_per_byte = c.rate_mbit > 0 ? 1e9 / (c.rate_mbit * 1e6 / 8) : 0;
+    d->loss_all = c.loss >= 1.0;
+    d->loss_thresh = c.loss > 0 && c.loss < 1.0 ? (uint64_t)ldexp(c.loss, 64) : 0;
+}
+
+static void take_new_cfg(struct dir *d)    /* worker: parameters main published, if any */
+{
+    struct cfg c;
+    if (__atomic_load_n(&d->next_gen, __ATOMIC_ACQUIRE) == d->gen)
+        return;
+    pthread_mutex_lock(&d->lock);
+    c = d->next;
+    d->gen = d->next_gen;
+    pthread_mutex_unlock(&d->lock);
+    apply_cfg(d, c);
+}
+
+static void publish_cfg(struct dir *d, struct cfg c)   /* main */
+{
+    pthread_mutex_lock(&d->lock);
+    d->next = c;
+    __atomic_store_n(&d->next_gen, d->next_gen + 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&d->lock);
+}
+
 static void *worker(void *arg)
 {
     struct dir *d = arg;
@@ -407,6 +445,7 @@ static void *worker(void *arg)
     for (;;) {
         uint64_t now = now_ns();
         int n = 0;
+        take_new_cfg(d);
         serialize(d, now);
         release(d, now);
         while (n < BATCH) {
@@ -486,11 +525,8 @@ static void init_dir(struct dir *d, const char *name, int in, int out, struct cf
     d->name = name;
     d->in_fd = in;
     d->out_fd = out;
-    d->c = c;
-    d->delay_ns = (uint64_t)llround(c.delay_ms * 1e6);
-    d->ns_per_byte = c.rate_mbit > 0 ? 1e9 / rate_Bps : 0;
-    d->loss_all = c.loss >= 1.0;
-    d->loss_thresh = c.loss > 0 && c.loss < 1.0 ? (uint64_t)ldexp(c.loss, 64) : 0;
+    apply_cfg(d, c);
+    pthread_mutex_init(&d->lock, NULL);
     d->rng = seed;
     if (ring_mb <= 0) {                              /* bytes in flight + queue, with slack */
         double r = c.rate_mbit > 0 ? rate_Bps : 20e9 / 8;   /* unlimited: size for 20 Gbit/s */
@@ -544,19 +580,96 @@ static void write_stats(struct dir *ab, struct dir *ba)
     rename(tmp, stats_path);
 }
 
-static double num(const char *opt, const char *s, double lo, double hi)
+static int parse_num(const char *s, double lo, double hi, double *v)
 {
     char *end;
-    double v = strtod(s, &end);
-    if (*s == 0 || *end != 0 || !(v >= lo && v <= hi))
+    *v = strtod(s, &end);
+    return *s != 0 && *end == 0 && *v >= lo && *v <= hi;
+}
+
+static double num(const char *opt, const char *s, double lo, double hi)
+{
+    double v;
+    if (!parse_num(s, lo, hi, &v))
         die("--%s: expected a number in [%g, %g], got '%s'", opt, lo, hi, s);
     return v;
+}
+
+static const char *const DIR_OPTS[] = {"delay-ms", "rate-mbit", "loss", "queue-bytes", "queue-pkts"};
+static const double DIR_MAX[] = {10000, 1e6, 1, 1e12, 1e9};
+
+/* Set per-direction option `which` (index into DIR_OPTS) from text; 0 when out of range. */
+static int set_dir_opt(struct cfg *c, int which, const char *s)
+{
+    double v;
+    if (!parse_num(s, 0, DIR_MAX[which], &v))
+        return 0;
+    switch (which) {
+    case 0: c->delay_ms = v; break;
+    case 1: c->rate_mbit = v; break;
+    case 2: c->loss = v; break;
+    case 3: c->qbytes = (uint64_t)v; break;
+    default: c->qpkts = (uint64_t)v; break;
+    }
+    return 1;
+}
+
+/* SIGUSR2: read the control file into copies of the current parameters; publish both
+ * directions only when every line parsed. The outcome goes to control_path.ack. */
+static void reconfigure(struct dir *ab, struct dir *ba, struct cfg *cab, struct cfg *cba, unsigned *changes)
+{
+    char ack[4096], tmp[4200], msg[512] = "", key[64], val[64];
+    struct cfg nab = *cab, nba = *cba;
+    FILE *f;
+    if (!control_path)
+        return;
+    f = fopen(control_path, "r");
+    if (!f) {
+        snprintf(msg, sizeof(msg), "error: cannot open %s: %s", control_path, strerror(errno));
+    } else {
+        int r;
+        while (!msg[0] && (r = fscanf(f, "%63s %63s", key, val)) == 2) {
+            size_t k, len;
+            int ok = 0;
+            for (k = 0; k < 5 && !ok; k++) {
+                len = strlen(DIR_OPTS[k]);
+                if (strncmp(key, DIR_OPTS[k], len) == 0 && key[len] == '-' && strlen(key) == len + 3 &&
+                    (strcmp(key + len + 1, "ab") == 0 || strcmp(key + len + 1, "ba") == 0)) {
+                    ok = set_dir_opt(strcmp(key + len + 1, "ab") == 0 ? &nab : &nba, (int)k, val);
+                    if (!ok)
+                        snprintf(msg, sizeof(msg), "error: %s: expected a number in [0, %g], got '%s'",
+                                 key, DIR_MAX[k], val);
+                    break;
+                }
+            }
+            if (!ok && !msg[0])
+                snprintf(msg, sizeof(msg), "error: unknown option '%s'", key);
+        }
+        if (!msg[0] && r != EOF)
+            snprintf(msg, sizeof(msg), "error: expected 'option value' pairs");
+        fclose(f);
+    }
+    if (!msg[0]) {
+        *cab = nab;
+        *cba = nba;
+        publish_cfg(ab, nab);
+        publish_cfg(ba, nba);
+        snprintf(msg, sizeof(msg), "ok %u", ++*changes);
+    }
+    snprintf(ack, sizeof(ack), "%s.ack", control_path);
+    snprintf(tmp, sizeof(tmp), "%s.tmp", ack);
+    f = fopen(tmp, "w");
+    if (f) {
+        fprintf(f, "%s\n", msg);
+        fclose(f);
+        rename(tmp, ack);
+    }
 }
 
 static void usage(void)
 {
     fputs("usage: wanem --ns-a NSPATH --ns-b NSPATH [--dev NAME] [--dev-b NAME] [--stats FILE] [--seed N]\n"
-          "             [--parent PID] [--ring-mb MB] [--no-offload]\n"
+          "             [--parent PID] [--ring-mb MB] [--no-offload] [--control FILE]\n"
           "             [--{delay-ms,rate-mbit,loss,queue-bytes,queue-pkts}-{ab,ba} V]...\n"
           "a->b is traffic sent from namespace A; rate 0 = unlimited; queue 0 = no limit.\n"
           "--dev names the device in both namespaces (default wan0), --dev-b the one in B.\n",
@@ -573,13 +686,14 @@ int main(int argc, char **argv)
     long parent = 0;
     double ring_mb = 0;
     int fa, fb, sig;
+    unsigned changes = 0;
     pthread_t t1, t2;
     sigset_t set;
-    enum { O_NSA = 256, O_NSB, O_DEV, O_DEVB, O_STATS, O_SEED, O_PARENT, O_RING, O_NOOFF, O_DIR };
+    enum { O_NSA = 256, O_NSB, O_DEV, O_DEVB, O_STATS, O_SEED, O_PARENT, O_RING, O_NOOFF, O_CONTROL, O_DIR };
     static const struct option opts[] = {
         {"ns-a", 1, 0, O_NSA}, {"ns-b", 1, 0, O_NSB}, {"dev", 1, 0, O_DEV}, {"dev-b", 1, 0, O_DEVB},
         {"stats", 1, 0, O_STATS}, {"seed", 1, 0, O_SEED}, {"parent", 1, 0, O_PARENT},
-        {"ring-mb", 1, 0, O_RING}, {"no-offload", 0, 0, O_NOOFF},
+        {"ring-mb", 1, 0, O_RING}, {"no-offload", 0, 0, O_NOOFF}, {"control", 1, 0, O_CONTROL},
         {"delay-ms-ab", 1, 0, O_DIR + 0}, {"rate-mbit-ab", 1, 0, O_DIR + 1},
         {"loss-ab", 1, 0, O_DIR + 2}, {"queue-bytes-ab", 1, 0, O_DIR + 3},
         {"queue-pkts-ab", 1, 0, O_DIR + 4},
@@ -589,7 +703,7 @@ int main(int argc, char **argv)
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         struct cfg *c = o >= O_DIR + 5 ? &cba : &cab;
-        const char *name = o >= O_DIR ? opts[9 + o - O_DIR].name : "";
+        const char *name = o >= O_DIR ? opts[10 + o - O_DIR].name : "";
         switch (o) {
         case O_NSA: ns_a = optarg; break;
         case O_NSB: ns_b = optarg; break;
@@ -600,12 +714,12 @@ int main(int argc, char **argv)
         case O_PARENT: parent = (long)num("parent", optarg, 1, 4194304); break;
         case O_RING: ring_mb = num("ring-mb", optarg, 1, 65536); break;
         case O_NOOFF: vnet = 0; break;
-        case O_DIR + 0: case O_DIR + 5: c->delay_ms = num(name, optarg, 0, 10000); break;
-        case O_DIR + 1: case O_DIR + 6: c->rate_mbit = num(name, optarg, 0, 1e6); break;
-        case O_DIR + 2: case O_DIR + 7: c->loss = num(name, optarg, 0, 1); break;
-        case O_DIR + 3: case O_DIR + 8: c->qbytes = (uint64_t)num(name, optarg, 0, 1e12); break;
-        case O_DIR + 4: case O_DIR + 9: c->qpkts = (uint64_t)num(name, optarg, 0, 1e9); break;
-        default: usage();
+        case O_CONTROL: control_path = optarg; break;
+        default:
+            if (o < O_DIR || o > O_DIR + 9)
+                usage();
+            if (!set_dir_opt(c, (o - O_DIR) % 5, optarg))
+                die("--%s: expected a number in [0, %g], got '%s'", name, DIR_MAX[(o - O_DIR) % 5], optarg);
         }
     }
     if (!ns_a || !ns_b || optind != argc)
@@ -625,6 +739,7 @@ int main(int argc, char **argv)
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGHUP);
     sigaddset(&set, SIGUSR1);
+    sigaddset(&set, SIGUSR2);
     pthread_sigmask(SIG_BLOCK, &set, NULL);          /* inherited: only main waits for them */
     if (pthread_create(&t1, NULL, worker, &ab) || pthread_create(&t2, NULL, worker, &ba))
         die("pthread_create failed");
@@ -635,6 +750,8 @@ int main(int argc, char **argv)
         sig = sigtimedwait(&set, NULL, &tick);
         if (sig == SIGUSR1) {
             write_stats(&ab, &ba);
+        } else if (sig == SIGUSR2) {
+            reconfigure(&ab, &ba, &cab, &cba, &changes);
         } else if (sig > 0) {
             write_stats(&ab, &ba);
             _exit(0);

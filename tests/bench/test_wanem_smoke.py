@@ -125,3 +125,67 @@ def test_environment_check_names_a_missing_program():
     check_environment(programs=("ip",))
     with pytest.raises(WanemError, match="wanlink-no-such-program is required"):
         check_environment(programs=("ip", "wanlink-no-such-program"))
+
+
+# Client for namespace A that keeps ONE connection open and runs commands read from stdin:
+# "rtt" (5 small round trips: the smallest) or "echo N" (N bytes out and back: the seconds it took).
+STEERED_CLIENT = r"""
+import json, os, socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+print(json.dumps({"connected": True}), flush=True)
+for line in sys.stdin:
+    words = line.split()
+    if words[0] == "rtt":
+        rtts = []
+        for _ in range(5):
+            t = time.monotonic(); c.sendall(b"x")
+            assert c.recv(1) == b"x"
+            rtts.append(time.monotonic() - t)
+        print(json.dumps({"rtt_s": min(rtts)}), flush=True)
+    else:
+        data = os.urandom(int(words[1])); got = 0
+        t = time.monotonic(); c.sendall(data)
+        while got < len(data):
+            got += len(c.recv(1 << 16))
+        print(json.dumps({"echo_s": time.monotonic() - t}), flush=True)
+"""
+
+
+@needs_netns
+def test_changing_a_running_path_keeps_the_connection_and_applies_the_new_shape():
+    with WanPath(rtt_ms=RTT_MS, rate_mbit=200) as path:
+        srv, port = _start_server(path)
+        client = path.popen_a([sys.executable, "-c", STEERED_CLIENT, path.addr_b, str(port)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+        def ask(command: str) -> dict:
+            client.stdin.write(command + "\n")
+            client.stdin.flush()
+            return json.loads(client.stdout.readline())
+
+        assert json.loads(client.stdout.readline()) == {"connected": True}
+        assert ask("rtt")["rtt_s"] >= RTT_MS / 1e3
+        path.change(rtt_ms=150)
+        assert path.ab.delay_ms == 75 and path.ab.rate_mbit == 200
+        assert ask("rtt")["rtt_s"] >= 0.150  # a lower bound: only the new delay can explain it
+        path.change(rtt_ms=RTT_MS, rate_mbit=8)
+        # 1 MB each way at 8 Mbit/s: at least 1 s per direction, pipelined: >= 1 s in all
+        assert ask("echo 1000000")["echo_s"] >= 1.0
+        with pytest.raises(WanemError, match="refused|invalid"):
+            path.change(ab=path.ab.__class__(delay_ms=1.0, rate_mbit=2e6))  # above wanem's 1e6 Mbit/s
+        path.change(rate_mbit=200)  # a refused change left the path as it was, and it still changes
+        assert ask("rtt")["rtt_s"] >= RTT_MS / 1e3
+        client.stdin.close()
+        assert client.wait(timeout=10) == 0  # the one connection carried everything
+        assert path.changes == 3
+        srv.terminate()
+
+
+def test_a_change_keeps_unnamed_fields_and_moves_the_default_queue():
+    from bench.wanem.netns import changed_link, wan_link
+
+    link = wan_link(40.0, 500.0, 0.01, None, None)
+    faster = changed_link(link, rate_mbit=1000.0)
+    assert (faster.delay_ms, faster.loss) == (20.0, 0.01) and faster.queue_kb == 2 * link.queue_kb
+    assert changed_link(link, rtt_ms=100.0).queue_kb == link.queue_kb

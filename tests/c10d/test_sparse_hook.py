@@ -23,7 +23,7 @@ def _batches(rank):
     return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)]
 
 
-def _train(rank, size, hook_options, lr=0.1, optimizer_name="sgd", results=None):
+def _train(rank, size, hook_options, lr=0.1, optimizer_name="sgd", results=None, momentum=0.0):
     """Trains STEPS steps; returns final flat params and the gradient seen by the optimizer per step."""
     from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
     from wanlink.optim import SparseSGD
@@ -42,13 +42,14 @@ def _train(rank, size, hook_options, lr=0.1, optimizer_name="sgd", results=None)
             return future
 
         ddp.register_comm_hook(state, hook)
-    optimizer = (SparseSGD if optimizer_name == "sparse" else torch.optim.SGD)(ddp.parameters(), lr=lr)
+    optimizer = (SparseSGD if optimizer_name == "sparse" else torch.optim.SGD)(ddp.parameters(), lr=lr,
+                                                                               momentum=momentum)
     grads = []
     for x, y in _batches(rank):
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         grads.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
-        if optimizer_name == "sparse":
+        if state is not None and state.sparse_optimizer:
             optimizer.step(sparse_grads=state.sparse_grads())
         else:
             optimizer.step()
@@ -160,7 +161,7 @@ def _checkpoint_rules(rank, size):
 
     model = _model()
     ddp = DDP(model)
-    state = BlockSparseState(density=0.1, staleness=1)
+    state = BlockSparseState(density=0.1, staleness=1, momentum=0.9)
     ddp.register_comm_hook(state, block_sparse_hook)
     (x, y), *_ = _batches(rank)
     torch.nn.functional.cross_entropy(ddp(x), y).backward()
@@ -171,11 +172,15 @@ def _checkpoint_rules(rank, size):
         refused = True
     state.flush()
     saved = state.state_dict()
-    restored = BlockSparseState(density=0.1, staleness=1)
+    restored = BlockSparseState(density=0.1, staleness=1, momentum=0.9)
     restored.load_state_dict(saved)
     residuals = [s.residual for codec in state._codecs.values() for s in codec.sparsifiers]
     restored_residuals = [s.residual for codec in restored._codecs.values() for s in codec.sparsifiers]
-    return refused, all(torch.equal(a, b) for a, b in zip(residuals, restored_residuals)), len(residuals)
+    residuals += state.velocities()
+    restored_residuals += restored._loaded_velocities  # handed to the parameters as the hook meets them
+    same = len(residuals) == len(restored_residuals) and all(torch.equal(a, b)
+                                                              for a, b in zip(residuals, restored_residuals))
+    return refused, same, len(state.velocities())
 
 
 def test_state_dict_needs_a_flush_and_round_trips_error_feedback():
@@ -226,10 +231,86 @@ def test_buckets_of_the_first_layers_leave_first():
         assert first_seen == sorted(first_seen, reverse=True)
 
 
+def _hook_momentum_vs_optimizer_momentum(rank, size):
+    dense, _, _ = _train(rank, size, None, momentum=0.9)
+    hooked, _, _ = _train(rank, size, {"density": 1.0, "momentum": 0.9, "warmup_steps": 2})
+    return dense, hooked
+
+
+def test_momentum_in_the_hook_at_full_density_equals_momentum_sgd():
+    # dense warm-up steps average the velocities; density-1 steps send every block and mask nothing
+    for dense, hooked in run_world(2, _hook_momentum_vs_optimizer_momentum):
+        torch.testing.assert_close(hooked, dense, rtol=1e-5, atol=1e-6)
+
+
+def _velocities_after_sparse_steps(rank, size):
+    params_of = {}
+
+    def remember(bucket_index, bucket_params):
+        params_of[bucket_index] = bucket_params
+
+    from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
+
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    state = BlockSparseState(density=0.05, momentum=0.9)
+
+    def hook(state, bucket):
+        remember(bucket.index(), list(bucket.parameters()))
+        return block_sparse_hook(state, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in _batches(rank):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    checked = kept = 0
+    for index, codec in state._codecs.items():
+        for sparsifier, param in zip(codec.sparsifiers, params_of[index]):
+            velocity = state._velocity[param]
+            assert velocity.shape == sparsifier.residual.shape
+            whole = velocity.numel() // 16 * 16
+            sent = (sparsifier.residual[:whole].view(-1, 16) == 0).all(1)  # error feedback empties sent blocks
+            held = velocity[:whole].view(-1, 16)
+            assert torch.count_nonzero(held[sent]) == 0  # momentum factor masking
+            kept += int(torch.count_nonzero(held[~sent]))  # the others keep their velocity
+            checked += 1
+    return checked, kept
+
+
+def test_sent_blocks_restart_their_velocity():
+    assert all(checked >= 4 and kept > 0 for checked, kept in run_world(2, _velocities_after_sparse_steps))
+
+
+def _refusals(rank, size):
+    messages = []
+    for options, optimizer_name in (({"density": 0.1, "staleness": 1}, "sgd"), ({"density": 0.1}, "sgd"),
+                                    ({"density": 0.1, "momentum": 0.9}, "sgd"),
+                                    ({"density": 0.1, "staleness": 1}, "sparse")):
+        try:
+            _train(rank, size, options, momentum=0.9, optimizer_name=optimizer_name)
+            messages.append(None)
+        except ConfigError as error:
+            messages.append(str(error))
+    allowed, _, _ = _train(rank, size, {"density": 1.0}, momentum=0.9)  # dense: nothing delayed
+    return messages, bool(torch.isfinite(allowed).all())
+
+
+def test_momentum_optimizers_behind_sparse_updates_are_refused():
+    for (stale, fresh, twice, sparse_sgd_dense), allowed in run_world(2, _refusals):
+        for message in (stale, fresh, sparse_sgd_dense):
+            assert message and "BlockSparseState(..., momentum=0.9)" in message and "SparseSGD" in message
+        assert "SGD(momentum=0.9)" in stale and "SparseSGD(momentum=0.9)" in sparse_sgd_dense
+        assert twice and "momentum twice" in twice
+        assert allowed
+
+
 def test_hook_options_are_validated():
     from wanlink.c10d.sparse_hook import BlockSparseState
 
-    for bad in ({"density": 0.0}, {"density": 1.5}, {"staleness": 2}, {"warmup_steps": -1}):
+    for bad in ({"density": 0.0}, {"density": 1.5}, {"staleness": 2}, {"warmup_steps": -1}, {"momentum": 1.0},
+                {"momentum": -0.1}, {"momentum": True}, {"momentum": 0.9, "sparse_optimizer": True}):
         with pytest.raises(ConfigError):
             BlockSparseState(**bad)
     with pytest.raises(ConfigError, match="sparse_optimizer"):

@@ -98,8 +98,9 @@ async def test_messages_on_one_tag_match_in_order_and_early_data_waits(pair):
     assert pair.accepted.stats()["unexpected_bytes_held"] == 0
 
 
-async def test_sends_leave_in_edf_order():
-    p = await open_pair(1, chunk_size=256 * 1024)
+@pytest.mark.parametrize("order", ["edf", "fcfs"])
+async def test_sends_leave_in_edf_or_arrival_order(order):
+    p = await open_pair(1, chunk_size=256 * 1024, chunk_order=order)
     try:
         deadlines = [7, 3, 9, 1, 5, 3]
         outs = {tag: bytearray(MiB) for tag in range(len(deadlines))}
@@ -114,7 +115,10 @@ async def test_sends_leave_in_edf_order():
         sends = [asyncio.ensure_future(p.client.send(pattern(MiB, tag), tag=tag, deadline=deadlines[tag]))
                  for tag in outs]
         await asyncio.gather(*sends, *receivers)
-        expected = sorted(outs, key=lambda tag: (deadlines[tag], tag))  # FIFO among equal deadlines
+        if order == "edf":
+            expected = sorted(outs, key=lambda tag: (deadlines[tag], tag))  # FIFO among equal deadlines
+        else:
+            expected = list(outs)  # the order the sends were queued in
         assert finished == expected
         assert [tag for tag, _seq, _offset in log] == [tag for tag in expected for _chunk in range(4)]
         assert all(outs[tag] == pattern(MiB, tag) for tag in outs)

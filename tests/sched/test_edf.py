@@ -44,6 +44,22 @@ def test_edf_order_with_fifo_among_equal_deadlines():
     assert order == [(2, 0), (2, 4), (3, 0), (1, 0), (1, 4)]
 
 
+def test_fcfs_ignores_deadlines_and_keeps_a_requeued_chunk_first():
+    q = EDFQueue("fcfs")
+    late, early = transfer(1, 8, deadline=(5, 0)), transfer(2, 4, deadline=(0, -3))
+    for t in (late, early):
+        for c in t.chunks:
+            q.push(c)
+    first = q.pop()
+    q.push(first)  # its stream died: back at the head
+    assert [(c.tag, c.offset) for c in iter(q.pop, None)] == [(1, 0), (1, 4), (2, 0)]
+
+
+def test_unknown_chunk_order_is_refused():
+    with pytest.raises(ConfigError, match="edf, fcfs"):
+        EDFQueue("lifo")
+
+
 def test_tuple_deadlines_order_by_iteration_then_layer():
     q = EDFQueue()
     for tag, deadline in [(1, (1, 0)), (2, (0, 5)), (3, (0, 2))]:

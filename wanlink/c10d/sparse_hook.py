@@ -3,6 +3,10 @@
     state = BlockSparseState(density=0.01, warmup_steps=50, staleness=1)
     model.register_comm_hook(state, block_sparse_hook)
 
+``density="auto"`` (with ``min_density``/``max_density``) lets a controller choose the density per
+step from the measured compute time and exchange rate (wanlink/c10d/auto_density.py): the same
+on every rank, switched between steps without losing error feedback.
+
 Per bucket, every gradient tensor is sparsified by its own BlockSparsifier (error feedback kept per
 bucket, in the state), the bucket's block-COO frames are exchanged among all ranks in one
 all-gather over the group's links, and the peers' blocks are scatter-added into the bucket and
@@ -19,11 +23,14 @@ than the sparse step itself).
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
+import weakref
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from wanlink.c10d.auto_density import PROPOSAL_BYTES, AutoDensity
 from wanlink.c10d.deadlines import deadline_scope
 from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, encoded_size, scatter_add_
 from wanlink.errors import ConfigError, UnsupportedError
@@ -35,23 +42,44 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class _BucketCodec:
     """One bucket's sparsifiers and the layout of its message: one block-COO frame per gradient."""
 
-    def __init__(self, numels: list[int], density: float):
+    def __init__(self, numels: list[int], density: float, trailer: int = 0):
         self.numels = numels
+        self.density = density
+        self.trailer = trailer  # bytes after the frames (density="auto": the sender's proposal)
         self.sparsifiers = [BlockSparsifier(n, density, BLOCK) for n in numels]
         sizes = [encoded_size(s.k, BLOCK) for s in self.sparsifiers]
         self.frame_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.message_size = int(self.frame_offsets[-1])
+        self.message_size = int(self.frame_offsets[-1]) + trailer
         self.element_offsets = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
         self._result_buffers: list[_ResultBuffer] = []
 
-    def encode(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+    def encode(self, gradients: list[torch.Tensor], mask_sent: bool = False) -> torch.Tensor:
+        """One message with each gradient's kept blocks; ``mask_sent`` zeroes those blocks in the
+        inputs afterwards (momentum factor masking when the inputs are the hook's velocities)."""
         message = torch.empty(self.message_size, dtype=torch.uint8)
         raw = message.numpy()
         for i, (sparsifier, grad) in enumerate(zip(self.sparsifiers, gradients)):
             indices, values = sparsifier.compress(grad.detach().reshape(-1))
             start, end = self.frame_offsets[i], self.frame_offsets[i + 1]
             encode_blocks(indices.numpy(), values.numpy(), sparsifier.numel, block=BLOCK, out=raw[start:end])
+            if mask_sent:
+                rows, inside, tail = _blocks_of(grad.numpy(), indices.numpy())
+                rows[inside] = 0
+                tail[:] = 0
         return message
+
+    def with_density(self, density: float) -> "_BucketCodec":
+        """A codec for the same gradients at another density, carrying over each sparsifier's residual
+        and threshold (so error feedback loses nothing); this one stays valid for exchanges in flight."""
+        codec = _BucketCodec(self.numels, density, self.trailer)
+        for new, old in zip(codec.sparsifiers, self.sparsifiers):
+            new.load_state_dict(old.state_dict())
+        return codec
+
+    def proposal_of(self, gathered: torch.Tensor, rank: int, world: int) -> float:
+        """The float64 that ``rank`` put in its trailer."""
+        row = gathered.numpy().reshape(world, self.message_size)[rank]
+        return float(row[self.message_size - PROPOSAL_BYTES:].view(np.float64)[0])
 
     def frames(self, gathered: torch.Tensor, world: int):
         """Per gradient, the decoded frames of every rank: [[BlockFrame per rank] per gradient]."""
@@ -149,10 +177,25 @@ def _blocks_of(segment: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.
 class BlockSparseState:
     """Configuration and per-bucket state of ``block_sparse_hook`` (error feedback, staleness)."""
 
-    def __init__(self, process_group=None, *, density: float = 0.01, warmup_steps: int = 0, staleness: int = 0,
-                 sparse_optimizer: bool = False):
-        if not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
-            raise ConfigError(f"density must be in (0, 1], got {density!r}")
+    def __init__(self, process_group=None, *, density: float | str = 0.01, warmup_steps: int = 0, staleness: int = 0,
+                 sparse_optimizer: bool = False, momentum: float = 0.0, min_density: float = 0.001,
+                 max_density: float = 0.1, bandwidth=None, controller_options: dict | None = None):
+        """``density="auto"``: chosen per step within [min_density, max_density] (see
+        wanlink/c10d/auto_density.py); ``bandwidth`` (a callable of the time, in bytes/s) replaces
+        the measured exchange rate, ``controller_options`` go to ``wanlink.sched.density.DensityController``."""
+        self.auto = None
+        if density == "auto":
+            self.auto = AutoDensity(min_density=min_density, max_density=max_density, staleness=staleness,
+                                    bandwidth=bandwidth, **(controller_options or {}))
+            density = self.auto.density
+        elif not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+            raise ConfigError(f"density must be in (0, 1] or 'auto', got {density!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ConfigError(f"momentum must be in [0, 1), got {momentum!r}")
+        if momentum and sparse_optimizer:
+            raise ConfigError("momentum= is for a dense optimizer without momentum; with sparse_optimizer=True "
+                              "SparseSGD keeps the momentum: BlockSparseState(sparse_optimizer=True) and "
+                              "SparseSGD(momentum=...)")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if staleness not in (0, 1):
@@ -162,24 +205,91 @@ class BlockSparseState:
         self.warmup_steps = warmup_steps
         self.staleness = staleness
         self.sparse_optimizer = sparse_optimizer
+        self.momentum = float(momentum)
         self.iteration = 0
         self.bytes_sent = 0
         self._codecs: dict[int, _BucketCodec] = {}
+        self._sparsifier_of: dict[torch.Tensor, BlockSparsifier] = {}  # parameter -> its sparsifier now
+        self._elements: dict[int, int] = {}  # density="auto": bucket index -> elements, for the full size
+        self._auto_step: int | None = None
         # staleness: per step, where each parameter's aggregate will be: (future of its bucket, offset, numel).
         # Keyed by parameter, not bucket, because DDP rebuilds its buckets after the first step.
         self._results: dict[int, dict[torch.Tensor, tuple]] = {}
         # sparse optimizer: per step, parameter -> (block ids, averaged values), filled as exchanges finish
         self._sparse_steps: dict[int, dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._step_to_apply: int | None = None
+        # momentum correction: each parameter's local velocity, flat (parameter -> tensor)
+        self._velocity: dict[torch.Tensor, torch.Tensor] = {}
+        self._loaded_velocities: list[torch.Tensor] = []
+        self._param_ids: set[int] = set()  # every parameter the hook has seen, for check_optimizer
+        self._checked = weakref.WeakSet()  # optimizers found compatible
+        _watch(self)
 
     # -- used by the hook ------------------------------------------------------------------------
-    def codec_for(self, index: int, gradients: list[torch.Tensor]) -> _BucketCodec:
+    def codec_for(self, index: int, gradients: list[torch.Tensor], params: list) -> _BucketCodec:
         numels = [g.numel() for g in gradients]
         codec = self._codecs.get(index)
         if codec is None or codec.numels != numels:  # first use, or DDP rebuilt its buckets
-            codec = _BucketCodec(numels, self.density)
+            codec = _BucketCodec(numels, self.density, PROPOSAL_BYTES if self.auto else 0)
+            for param, sparsifier in zip(params, codec.sparsifiers):
+                previous = self._sparsifier_of.get(param)
+                if previous is not None:  # the parameter's residual from its bucket before the rebuild
+                    sparsifier.load_state_dict(previous.state_dict())
+                self._sparsifier_of[param] = sparsifier
             self._codecs[index] = codec
+        elif codec.density != self.density:
+            codec = self._codecs[index] = codec.with_density(self.density)
+            self._sparsifier_of.update(zip(params, codec.sparsifiers))
         return codec
+
+    def begin_auto_step(self, iteration: int, index: int, numel: int) -> None:
+        """density="auto": at each bucket, note its size; at a step's first, take the agreed density."""
+        self._elements[index] = numel
+        if self._auto_step == iteration:
+            self.auto.bucket_called(iteration)
+            return
+        self._auto_step = iteration
+        full_bytes = encoded_size(-(-sum(self._elements.values()) // BLOCK), BLOCK) * (self.world_size() - 1)
+        self.density = self.auto.begin_step(iteration, max(full_bytes, 1))
+
+    def density_stats(self) -> dict:
+        """The density of the current step; with density="auto" also its changes and the controller's inputs."""
+        return self.auto.stats() if self.auto else {"density": self.density, "changes": []}
+
+    def velocities_for(self, params: list, buffer: torch.Tensor, write_back: bool) -> list[torch.Tensor]:
+        """Momentum correction: per parameter u = momentum x u + g, with g read from the bucket
+        ``buffer`` (parameters back to back); ``write_back`` puts u into the buffer (dense steps:
+        their average is then the averaged velocity)."""
+        velocities = []
+        offset = 0
+        for param in params:
+            numel = param.numel()
+            velocity = self._velocity.get(param)
+            if velocity is None:
+                velocity = self._loaded_velocities.pop(0) if self._loaded_velocities else torch.zeros(numel)
+                self._velocity[param] = velocity
+            gradient = buffer[offset:offset + numel]
+            velocity.mul_(self.momentum).add_(gradient)
+            if write_back:
+                gradient.copy_(velocity)
+            velocities.append(velocity)
+            offset += numel
+        return velocities
+
+    def velocities(self) -> list[torch.Tensor]:
+        """The hook's local velocities (momentum correction), one flat tensor per parameter."""
+        return list(self._velocity.values())
+
+    def check_optimizer(self, optimizer) -> None:
+        """Refuse an optimizer that would apply momentum to this hook's sparse updates (called before
+        every optimizer step, through a torch.optim global step pre-hook)."""
+        if optimizer in self._checked or not self._param_ids:
+            return
+        if self.momentum or (not self.sparse_optimizer and self.density < 1.0):
+            for group in optimizer.param_groups:
+                if group.get("momentum", 0) and any(id(p) in self._param_ids for p in group["params"]):
+                    raise ConfigError(_momentum_refusal(type(optimizer).__name__, group["momentum"], self))
+        self._checked.add(optimizer)
 
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)
@@ -234,18 +344,48 @@ class BlockSparseState:
         """Error-feedback residuals and thresholds per bucket, and the step counter. Flush first."""
         if self._results:
             raise ConfigError("a step is still in flight: call flush() and step the optimizer before checkpointing")
-        return {"iteration": self.iteration, "density": self.density,
+        return {"iteration": self.iteration, "density": self.density, "velocities": self.velocities(),
                 "buckets": {index: [s.state_dict() for s in codec.sparsifiers]
                             for index, codec in self._codecs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
+        # velocities go to parameters in the order the hook first meets them, as when they were saved
+        self._velocity = {}
+        self._loaded_velocities = [v.clone() for v in state.get("velocities", [])]
         self._codecs = {}
         for index, sparsifier_states in state["buckets"].items():
             codec = _BucketCodec([s["numel"] for s in sparsifier_states], self.density)
             for sparsifier, saved in zip(codec.sparsifiers, sparsifier_states):
                 sparsifier.load_state_dict(saved)
             self._codecs[int(index)] = codec
+
+
+_states = weakref.WeakSet()  # live states, for the optimizer check
+_check_handle = None
+
+
+def _watch(state: BlockSparseState) -> None:
+    global _check_handle
+    _states.add(state)
+    if _check_handle is None:
+        _check_handle = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer, _args, _kwargs) -> None:
+    for state in list(_states):
+        state.check_optimizer(optimizer)
+
+
+def _momentum_refusal(optimizer: str, momentum: float, state: BlockSparseState) -> str:
+    if state.momentum:
+        return (f"{optimizer}(momentum={momentum}) behind BlockSparseState(momentum={state.momentum}) applies "
+                f"momentum twice: give the optimizer momentum=0 (the hook already applies it)")
+    return (f"{optimizer}(momentum={momentum}) on block-sparse updates (density {state.density}) diverges: "
+            f"error feedback delivers many steps of a block's gradient at once and the optimizer's momentum "
+            f"keeps pushing it for ~1/(1-momentum) steps after (docs/sparse.md). Move the momentum into the "
+            f"hook: BlockSparseState(..., momentum={momentum}) with {optimizer}(momentum=0); or use "
+            f"BlockSparseState(..., sparse_optimizer=True) with wanlink.optim.SparseSGD(momentum={momentum})")
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
@@ -269,19 +409,28 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     iteration = state.iteration
     if bucket.is_last():
         state.iteration += 1
-    if iteration < state.warmup_steps:
+    params = list(bucket.parameters())
+    state._param_ids.update(map(id, params))
+    dense = iteration < state.warmup_steps
+    velocities = state.velocities_for(params, buffer, write_back=dense) if state.momentum else None
+    if dense:
         state.apply_step(None)
         return _dense_average(state, buffer)
 
-    gradients = bucket.gradients()
-    codec = state.codec_for(index, gradients)
-    message = codec.encode(gradients)
+    gradients = velocities or bucket.gradients()
+    if state.auto:
+        state.begin_auto_step(iteration, index, buffer.numel())
+    codec = state.codec_for(index, gradients, params)
+    # momentum factor masking: a block's velocity restarts once it is sent (not at density 1: that is dense SGD)
+    message = codec.encode(gradients, mask_sent=velocities is not None and state.density < 1.0)
+    if state.auto:
+        message[codec.message_size - PROPOSAL_BYTES:].numpy().view(np.float64)[0] = state.auto.proposal()
+        started = state.auto.exchange_started(iteration)
     world = state.world_size()
     gathered = torch.empty(world * codec.message_size, dtype=torch.uint8)
     with deadline_scope((iteration, -index)):
         work = _all_gather_single(gathered, message, group=state.process_group, async_op=True)
     state.bytes_sent += message.numel() * (world - 1)
-    params = list(bucket.parameters())
 
     if state.sparse_optimizer:
         def finish(_future):
@@ -295,6 +444,13 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
         def finish(_future):
             codec.average_into(gathered, world, buffer)
             return buffer
+
+    if state.auto:
+        decode, sent = finish, message.numel() * (world - 1)
+
+        def finish(future):
+            state.auto.exchange_done(iteration, started, sent, codec.proposal_of(gathered, 0, world))
+            return decode(future)
 
     exchange = work.get_future().then(finish)
     if state.sparse_optimizer:

@@ -27,7 +27,7 @@ from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
 from wanlink.proto.seal import stream_keys
 from wanlink.probe.rate import DeliveryRateEstimator
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
-from wanlink.sched.edf import EDFQueue
+from wanlink.sched.edf import EDFQueue, check_chunk_order
 
 DEFAULT_TIMEOUT = 30.0
 LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
@@ -77,8 +77,10 @@ class Link:
 
     def __init__(self, socks: list[socket.socket], *, peer: str, link_id: bytes, peer_meta: dict | None = None,
                  limits: Limits = DEFAULT_LIMITS, chunk_size: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 compress: bool = False, checksum: bool = False, keys: list | None = None):
-        """``keys``: per stream, the (send, receive) keys its handshake derived (``secure=True``)."""
+                 compress: bool = False, checksum: bool = False, keys: list | None = None,
+                 chunk_order: str = "edf"):
+        """``keys``: per stream, the (send, receive) keys its handshake derived (``secure=True``);
+        ``chunk_order``: "edf" (deadline first) or "fcfs" (arrival order) for what this side sends."""
         if not socks:
             raise ConfigError("a link needs at least one stream")
         if timeout <= 0:
@@ -96,7 +98,7 @@ class Link:
         self.checksum = checksum
         self.name = f"{peer}/{link_id.hex()[:8]}"
         self.reassembler = Reassembler(limits)
-        self.queue = EDFQueue()
+        self.queue = EDFQueue(chunk_order)  # "fcfs": arrival order, ignoring deadlines
         self.peer_closed = False
         self.error: BaseException | None = None
         self.requeued_chunks = 0
@@ -587,7 +589,8 @@ def check_stream_count(streams) -> int:
 async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, meta: dict | None = None,
                     timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None, congestion: str | None = None,
                     sock_buffer: int | None = None, compress: bool = False, checksum: bool = False,
-                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None, secure: bool = False) -> Link:
+                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None, secure: bool = False,
+                    chunk_order: str = "edf") -> Link:
     """Open a Link of exactly ``streams`` TCP streams to a wanlink server and authenticate each one.
 
     Everything is resolved already (``wanlink.connect`` probes the path and reads the settings):
@@ -597,8 +600,10 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
     namespace only); the streams are then Unix sockets. ``secure``: every frame encrypted and
     authenticated (AES-256-GCM, keys from the secret and each stream's handshake).
+    ``chunk_order``: "edf" (deadline first) or "fcfs" (arrival order) for what this side sends.
     """
     count = check_stream_count(streams)
+    check_chunk_order(chunk_order)
     chunk_size_from(chunk_size)  # a bad size fails before connecting
     key = normalize_secret(secret)
     if secure and not key:
@@ -664,4 +669,4 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
         raise
     peer = f"{host}:{port}" if unix_name is None else f"unix:{unix_name}"
     return Link(socks, peer=peer, link_id=link_id, limits=limits, chunk_size=chunk_size,
-                timeout=timeout, compress=compress, checksum=checksum, keys=keys).start()
+                timeout=timeout, compress=compress, checksum=checksum, keys=keys, chunk_order=chunk_order).start()

@@ -17,6 +17,7 @@ from wanlink.proto.handshake import PROBE_META_KEY, ServerHandshake, Status, nor
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.seal import stream_keys
 from wanlink.sched.chunking import chunk_size_from
+from wanlink.sched.edf import check_chunk_order
 
 AUTH_TIMEOUT = 5.0
 """Seconds an accepted connection has to authenticate (HELLO to PROOF) before it is dropped."""
@@ -206,7 +207,7 @@ class Server:
         link = Link(socks, peer=pending.peer, link_id=link_id, peer_meta=pending.meta, limits=self._limits,
                     keys=[pending.keys[i] for i in range(pending.count)],
                     timeout=self._timeout, **{k: v for k, v in self._link_options.items()
-                                              if k in ("chunk_size", "compress", "checksum")}).start()
+                                              if k in ("chunk_size", "compress", "checksum", "chunk_order")}).start()
         self._probe_links = {probe for probe in self._probe_links if not probe.closed}
         if link.peer_meta.get(PROBE_META_KEY):  # the transport drops probe data; the prober closes the link
             self._probe_links.add(link)
@@ -297,7 +298,7 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
                        limits: Limits = DEFAULT_LIMITS, backlog: int = 128, chunk_size: int | None = None,
                        congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
                        checksum: bool = False, unix: bool = False, auth_timeout: float = AUTH_TIMEOUT,
-                       secure: bool = False) -> Server:
+                       secure: bool = False, chunk_order: str = "edf") -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
     Everything is resolved already (``wanlink.serve`` reads the settings for what it is not given).
@@ -311,6 +312,7 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
     """
     key = normalize_secret(secret)
     chunk_size_from(chunk_size)  # a bad size fails now, not at each link
+    check_chunk_order(chunk_order)
     if secure and not key:
         raise ConfigError("secure=True needs a shared secret (WANLINK_SECRET): keys derive from it")
     if not key:
@@ -321,7 +323,7 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
     listener.setblocking(False)
     options = {"chunk_size": chunk_size, "congestion": congestion, "sock_buffer": sock_buffer,
-               "compress": compress, "checksum": checksum}
+               "compress": compress, "checksum": checksum, "chunk_order": chunk_order}
     try:
         local = unix_listener(backlog) if unix else None
     except OSError:

@@ -1,0 +1,231 @@
+"""Training while the WAN changes under it: gloo DDP, fixed densities and density="auto", same run.
+
+Two ranks, one in each namespace of a ``bench.wanem`` path (40 ms RTT), train e2e_training's
+~25M-parameter MLP while the path's rate follows a schedule (default 500 -> 100 -> 1000 -> 250
+Mbit/s), changed in place by ``WanPath.change`` without dropping connections. Every variant runs
+the same schedule for the same wall-clock time; the ranks stop together (a one-byte all-reduce on a
+side group, overlapped with the next step). Sparse variants: staleness 1 with SparseSGD. The floor
+is both ranks computing with no communication. Reports, per phase, the median iteration time
+against that floor and the density in use; writes a PNG of iteration time and density over time
+with the schedule drawn, and JSON. Needs root.
+
+    python3 dev.py bench bench/adaptive.py [--phase-s 20] [--rates 500 100 1000 250] [--rtt-ms 40] [--publish]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.e2e_training import BATCH, DATA_BATCHES, DEPTH_IN, KEEP_FREED_MEMORY, make_model  # noqa: E402
+
+VARIANTS = {
+    "compute only, 2 ranks": {"backend": None, "density": None},
+    "gloo DDP": {"backend": "gloo", "density": None},
+    "fixed 1%": {"backend": "wanlink", "density": 0.01},
+    "fixed 0.1%": {"backend": "wanlink", "density": 0.001},
+    "auto": {"backend": "wanlink", "density": "auto"},
+}
+AUTO_BOUNDS = {"min_density": 0.001, "max_density": 0.05}
+FLOOR_ITERATIONS = 30
+SKIP_PER_PHASE = 1  # the iteration that straddles a rate change
+
+
+def worker(args) -> None:
+    """One rank: trains until rank 0's clock passes the end of the schedule; writes its records."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import wanlink  # noqa: F401 - registers the backend
+    from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
+    from wanlink.optim import SparseSGD
+
+    variant = VARIANTS[args.variant]
+    torch.set_num_threads(1)
+    os.environ["WANLINK_ADDR"] = args.address
+    os.environ["GLOO_SOCKET_IFNAME"] = "wan0"
+    distributed = variant["backend"] is not None
+    if distributed:
+        store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
+        dist.init_process_group(variant["backend"], store=store, rank=args.rank, world_size=2)
+        side = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = make_model()
+    teacher = torch.nn.Linear(DEPTH_IN, model[-1].out_features)
+    ddp = DDP(model, gradient_as_bucket_view=True) if distributed else model
+    state = None
+    if variant["density"] is not None:
+        state = BlockSparseState(density=variant["density"], staleness=1, sparse_optimizer=True,
+                                 **(AUTO_BOUNDS if variant["density"] == "auto" else {}))
+        ddp.register_comm_hook(state, block_sparse_hook)
+    optimizer = (SparseSGD if state else torch.optim.SGD)(ddp.parameters(), lr=0.01, momentum=0.9)
+    data = torch.Generator().manual_seed(args.rank)
+    inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
+    with torch.no_grad():
+        labels = [teacher(x).argmax(1) for x in inputs]
+    if distributed:
+        dist.barrier()
+    start = time.monotonic()
+    if args.rank == 0:
+        Path(args.start_file).write_text(repr(start))
+    records = []
+    stop = torch.zeros(1)
+    pending = None
+    for iteration in range(10**9):
+        if distributed:
+            if pending is not None:
+                pending.wait()
+                if stop.item() > 0:
+                    break
+            stop.fill_(1.0 if time.monotonic() - start >= args.duration_s else 0.0)
+            pending = dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=side, async_op=True)
+        elif iteration >= args.iterations:
+            break
+        begin = time.monotonic()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(inputs[iteration % DATA_BATCHES]), labels[iteration % DATA_BATCHES])
+        loss.backward()
+        if state is not None:
+            optimizer.step(sparse_grads=state.sparse_grads())
+        else:
+            optimizer.step()
+        end = time.monotonic()
+        records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
+                        "density": None if state is None else state.density})
+    if state is not None and state.flush():
+        optimizer.step(sparse_grads=state.sparse_grads())
+    if args.rank == 0:
+        Path(args.rank_out).write_text(json.dumps({
+            "records": records, "density_stats": state.density_stats() if state else None}))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_variant(path, name: str, rates: list[float], phase_s: float, port: int) -> dict:
+    """Runs one variant while changing the path's rate at each phase boundary (rank 0's clock)."""
+    distributed = VARIANTS[name]["backend"] is not None
+    with tempfile.TemporaryDirectory() as tmp:
+        out, start_file = os.path.join(tmp, "rank0.json"), os.path.join(tmp, "start")
+        common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name,
+                  "--duration-s", repr(phase_s * len(rates)), "--iterations", str(FLOOR_ITERATIONS),
+                  "--master", path.addr_a, "--port", str(port), "--rank-out", out, "--start-file", start_file]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
+        path.change(rate_mbit=rates[0])
+        ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env),
+                 path.popen_b([*common, "--rank", "1", "--address", path.addr_b], env=env)]
+        changes = []
+        if distributed:
+            while not os.path.exists(start_file) and all(rank.poll() is None for rank in ranks):
+                time.sleep(0.05)
+            start = float(Path(start_file).read_text()) if os.path.exists(start_file) else time.monotonic()
+            for index, rate in enumerate(rates[1:], 1):
+                time.sleep(max(0.0, start + index * phase_s - time.monotonic()))
+                path.change(rate_mbit=rate)
+                changes.append((time.monotonic() - start, rate))
+        codes = [rank.wait(timeout=1800) for rank in ranks]
+        if any(codes):
+            raise RuntimeError(f"{name}: ranks exited with {codes}")
+        result = json.loads(Path(out).read_text())
+    return {"variant": name, **VARIANTS[name], "rate_changes": changes, **result}
+
+
+def phase_rows(row: dict, rates: list[float], phase_s: float, floor_s: float) -> list[dict]:
+    """Per phase: iterations that ended inside it (the first skipped), median time, density."""
+    out = []
+    for index, rate in enumerate(rates):
+        inside = [r for r in row["records"] if index * phase_s <= r["wall"] < (index + 1) * phase_s]
+        steady = inside[SKIP_PER_PHASE:] or inside
+        median = statistics.median(r["seconds"] for r in steady) if steady else float("nan")
+        densities = [r["density"] for r in steady if r["density"] is not None]
+        out.append({"variant": row["variant"], "phase": index, "rate_mbit": rate, "iterations": len(inside),
+                     "median_iteration_s": median, "x_floor": median / floor_s,
+                     "median_density": statistics.median(densities) if densities else None})
+    return out
+
+
+def plot(run, rows: list[dict], rates: list[float], phase_s: float, floor_s: float, name: str) -> Path:
+    from bench.reporting import new_figure
+
+    fig, (ax_time, ax_density) = new_figure(2, 1, figsize=(11, 8))
+    edges = [i * phase_s for i in range(len(rates) + 1)]
+    for row in rows:
+        if row["backend"] is None:
+            continue
+        walls = [r["wall"] for r in row["records"]]
+        ax_time.plot(walls, [r["seconds"] for r in row["records"]], marker=".", linewidth=0.7, label=row["variant"])
+        if row["density"] is not None:
+            ax_density.step(walls, [100 * r["density"] for r in row["records"]], where="post", label=row["variant"])
+    ax_time.axhline(floor_s, color="black", linestyle=":", label="compute floor (2 ranks, no network)")
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("seconds per iteration (log)")
+    ax_rate = ax_time.twinx()
+    ax_rate.step(edges, [rates[0], *rates], where="pre", color="grey", alpha=0.5)
+    ax_rate.set_ylabel("path rate, Mbit/s (grey)")
+    ax_time.legend(fontsize=7, loc="upper left")
+    ax_density.set_yscale("log")
+    ax_density.set_ylabel("density in use, % (log)")
+    ax_density.set_xlabel("wall-clock seconds since the first step")
+    for edge in edges[1:-1]:
+        for ax in (ax_time, ax_density):
+            ax.axvline(edge, color="grey", linewidth=0.5)
+    ax_density.legend(fontsize=7)
+    return run.save_figure(fig, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.reporting import Run, add_output_options, print_table
+    from bench.wanem.netns import WanPath
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rtt-ms", type=float, default=40)
+    parser.add_argument("--rates", type=float, nargs="+", default=[500, 100, 1000, 250])
+    parser.add_argument("--phase-s", type=float, default=30.0)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--name", default="adaptive", help="file name of the JSON and PNG")
+    add_output_options(parser)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--variant", "--master", "--rank-out", "--address", "--start-file"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--duration-s", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--iterations", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=29700, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    run = Run(args)
+    runs = []
+    with WanPath(rtt_ms=args.rtt_ms, rate_mbit=args.rates[0]) as path:
+        for run in (path.run_a, path.run_b):  # as e2e_training: no slow start after an idle gap
+            run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
+        for index, variant in enumerate(args.variants):
+            runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index))
+            print(f"{variant}: {len(runs[-1]['records'])} iterations", flush=True)
+    floor_run = next((r for r in runs if r["backend"] is None), None)
+    floor_s = (statistics.median(r["seconds"] for r in floor_run["records"][2:]) if floor_run else float("nan"))
+    rows = [p for r in runs if r["backend"] is not None for p in phase_rows(r, args.rates, args.phase_s, floor_s)]
+    print(f"\n2 ranks, {args.rtt_ms:g} ms RTT, phases of {args.phase_s:g} s at {args.rates} Mbit/s; compute floor "
+          f"{floor_s:.3f} s/iteration; load before {run.load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+    print_table([{k: ("" if v is None else v) for k, v in row.items()} for row in rows], [("variant", "variant", ""), ("rate_mbit", "Mbit/s", "g"), ("iterations", "iters", "d"),
+                       ("median_iteration_s", "s/iteration", ".3f"), ("x_floor", "x floor", ".2f"),
+                       ("median_density", "density", ".4g")])
+    run.save_json(args.name, {"phases": rows, "runs": runs, "floor_s": floor_s, "rates_mbit": args.rates,
+                              "phase_s": args.phase_s, "rtt_ms": args.rtt_ms, "auto_bounds": AUTO_BOUNDS})
+    print("wrote", plot(run, runs, args.rates, args.phase_s, floor_s, args.name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""Fidelity matrix of the block-sparse path: model shapes x optimizers x staleness x seeds, against dense DDP.
+
+Two ranks over loopback train each shape (bench/fidelity_models.py: a digits MLP, a digits CNN, a
+byte-level transformer LM on standard-library source) with the same seeds in every cell: dense
+DDP on gloo, and wanlink's block-sparse hook at 1 % density with staleness 0 and 1. Optimizers:
+torch SGD with momentum 0.9 (on the sparse path the momentum moves into the hook:
+``BlockSparseState(momentum=0.9)`` + ``SGD(momentum=0)``; a momentum SGD behind a plain state is
+refused, and that cell records the message), torch AdamW, and wanlink's SparseSGD
+(``sparse_optimizer=True``). Prints mean and worst final accuracy (or held-out loss) per cell and
+whether the worst seed is within 1 point (2 % relative loss) of dense's mean; writes
+bench/results/fidelity.{json,png}.
+
+    python3 dev.py bench bench/fidelity.py [--shapes digits-mlp digits-cnn stdlib-lm] [--seeds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench.fidelity_models import DEFAULT_SHAPES, SHAPES, Task  # noqa: E402
+
+DENSITY = 0.01
+MOMENTUM = 0.9
+WARMUP_STEPS = 50
+EVALUATIONS = 10  # points on each curve
+# optimizer name -> the dense baseline its cells are compared against
+OPTIMIZERS = {"sgd": "sgd", "adamw": "adamw", "sparse-sgd": "sgd"}
+MODES = ("dense", "sparse s0", "sparse s1")
+# What a new user writes and the sparse path refuses (its collapse: bench/collapse.py).
+UNSAFE = "sgd, momentum in the optimizer"
+TOLERANCE = {"accuracy": 1.0, "loss": 0.02}  # points; relative
+
+
+class UncheckedMomentumSGD:
+    """torch.optim.SGD(momentum)'s update written out (torch's functional ``sgd``), outside torch.optim's step
+    hooks: bench/collapse.py uses it to show what the combination the sparse path refuses did."""
+
+    def __init__(self, params, lr: float, momentum: float):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.buffers = [None] * len(self.params)
+        self.state = {}
+
+    def zero_grad(self):
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        from torch.optim.sgd import sgd
+
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        buffers = [self.buffers[i] for i in with_grad]
+        sgd([self.params[i] for i in with_grad], [self.params[i].grad for i in with_grad], buffers, foreach=False,
+            weight_decay=0.0, momentum=self.momentum, lr=self.lr, dampening=0.0, nesterov=False, maximize=False)
+        for i, buffer in zip(with_grad, buffers):
+            self.buffers[i] = buffer
+
+    def momentum_buffers(self):
+        return [b for b in self.buffers if b is not None]
+
+
+def make_training(job: dict, model, group):
+    """(ddp, state, optimizer, step function) for one cell."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
+    from wanlink.optim import SparseSGD
+
+    shape = SHAPES[job["shape"]]
+    dense = job["mode"] == "dense"
+    ddp = DDP(model, process_group=group if dense else None, gradient_as_bucket_view=True)
+    name = job["optimizer"]
+    state = None
+    if not dense:
+        state = BlockSparseState(density=job.get("density", DENSITY), warmup_steps=job.get("warmup", WARMUP_STEPS),
+                                 staleness=int(job["mode"][-1]), sparse_optimizer=name == "sparse-sgd",
+                                 momentum=MOMENTUM if name == "sgd" else 0.0)
+        ddp.register_comm_hook(state, block_sparse_hook)
+    if name == "adamw":
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=shape.adam_lr)
+    elif name == "sparse-sgd":
+        optimizer = SparseSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
+    elif name == "sgd-uncorrected":
+        optimizer = UncheckedMomentumSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
+    elif name == UNSAFE or dense:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
+    else:  # "sgd" on the sparse path: the momentum is the hook's
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=shape.sgd_lr, momentum=0.0)
+
+    def step():
+        if name == "sparse-sgd":
+            optimizer.step(sparse_grads=state.sparse_grads())
+        else:
+            optimizer.step()
+
+    return ddp, state, optimizer, step
+
+
+def momentum_norm(optimizer, state) -> float:
+    """L2 norm of every momentum the update depends on: the optimizer's buffers and the hook's velocities."""
+    if isinstance(optimizer, UncheckedMomentumSGD):
+        tensors = optimizer.momentum_buffers()
+    else:
+        tensors = [s[key] for s in optimizer.state.values() for key in ("momentum_buffer", "exp_avg") if key in s]
+    if state is not None:
+        tensors += state.velocities()
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors))) if tensors else 0.0
+
+
+def run_job(job: dict, rank: int, world: int, group) -> dict:
+    from wanlink.errors import ConfigError
+
+    shape = SHAPES[job["shape"]]
+    task = Task(shape, job["seed"], rank, world)
+    try:
+        ddp, state, optimizer, step = make_training(job, task.model, group)
+    except ConfigError as error:  # a refused combination is a result of the matrix
+        return {**job, "refused": f"{type(error).__name__}: {error}"}
+    every = max(1, shape.steps // EVALUATIONS)
+    curve, trace = [], []
+    start = time.perf_counter()
+    try:
+        for iteration in range(shape.steps):
+            before = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()]) if job.get("trace") else None
+            optimizer.zero_grad()
+            x, y = task.batch(iteration)
+            loss = task.loss(ddp(x), y)
+            loss.backward()
+            last = iteration == shape.steps - 1
+            step()
+            if last and state is not None and state.flush():
+                step()
+            if before is not None:
+                after = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()])
+                trace.append({"step": iteration, "loss": loss.item(), "update_norm": float((after - before).norm()),
+                              "momentum_norm": momentum_norm(optimizer, state)})
+            if (iteration + 1) % every == 0 or last:
+                curve.append({"step": iteration + 1, "metric": task.evaluate(), "loss": loss.item()})
+    except ConfigError as error:  # refused at the first optimizer step
+        return {**job, "refused": f"{type(error).__name__}: {error}"}
+    except Exception as error:  # noqa: BLE001 - e.g. diverged to NaN: a failed cell, not a crash of the matrix
+        return {**job, "failed": f"{type(error).__name__}: {error}", "curve": curve, "trace": trace}
+    return {**job, "final": curve[-1]["metric"], "curve": curve, "trace": trace,
+            "seconds": time.perf_counter() - start, "bytes_sent": state.bytes_sent if state else None}
+
+
+def _worker(rank: int, world: int, init_file: str, jobs: list[dict], results) -> None:
+    import wanlink  # noqa: F401 - registers the backend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("wanlink", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    gloo = dist.new_group(backend="gloo")
+    try:
+        for job in jobs:
+            outcome = run_job(job, rank, world, gloo)
+            dist.barrier(gloo)
+            if rank == 0:
+                results.put(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_jobs(jobs: list[dict], on_result=None) -> list[dict]:
+    """Runs the jobs in order on one 2-rank world; ``on_result`` sees each rank-0 result as it comes."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory() as tmp:
+        world = mp.start_processes(_worker, args=(2, os.path.join(tmp, "rendezvous"), jobs, results), nprocs=2,
+                                   start_method="spawn", join=False)
+        collected = []
+        while len(collected) < len(jobs):
+            if not world.processes[0].is_alive() and results.empty():
+                world.join()  # raises with the rank's traceback
+                raise RuntimeError("a rank exited before finishing its jobs")
+            try:
+                outcome = results.get(timeout=1.0)
+            except Exception:  # noqa: BLE001 - queue.Empty: poll the ranks again
+                continue
+            collected.append(outcome)
+            if on_result:
+                on_result(outcome)
+        world.join()
+    return collected
+
+
+def matrix_jobs(shapes, seeds) -> list[dict]:
+    jobs = []
+    for shape in shapes:
+        for seed in seeds:
+            for optimizer in ("sgd", "adamw"):
+                jobs.append({"shape": shape, "seed": seed, "mode": "dense", "optimizer": optimizer})
+            for mode in MODES[1:]:
+                for optimizer in (*OPTIMIZERS, UNSAFE):
+                    if optimizer == UNSAFE and seed != seeds[0]:
+                        continue  # refused: once per shape and staleness is enough
+                    jobs.append({"shape": shape, "seed": seed, "mode": mode, "optimizer": optimizer})
+    return jobs
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    rows = []
+    cells = {}
+    for run in runs:
+        cells.setdefault((run["shape"], run["optimizer"], run["mode"]), []).append(run)
+    for (shape_name, optimizer, mode), cell in cells.items():
+        shape = SHAPES[shape_name]
+        row = {"shape": shape_name, "optimizer": optimizer, "mode": mode, "seeds": len(cell)}
+        refused = [r["refused"] for r in cell if "refused" in r]
+        if refused:
+            rows.append({**row, "verdict": "refused", "message": refused[0]})
+            continue
+        finals = [r.get("final", math.nan) for r in cell]  # a failed seed (NaN) is the worst
+        baseline = [r["final"] for r in runs if r["shape"] == shape_name and r["mode"] == "dense"
+                    and r["optimizer"] == OPTIMIZERS.get(optimizer, optimizer) and "final" in r]
+        dense_mean = statistics.fmean(baseline)
+        failed = [r["failed"] for r in cell if "failed" in r]
+        worst = math.nan if failed else min(finals) if shape.metric == "accuracy" else max(finals)
+        if shape.metric == "accuracy":
+            within = worst >= dense_mean - TOLERANCE["accuracy"]
+        else:
+            within = worst <= dense_mean * (1 + TOLERANCE["loss"])
+        rows.append({**row, "metric": shape.metric, "mean": statistics.fmean(finals), "worst": worst,
+                     "dense_mean": dense_mean, "verdict": "ok" if within and not failed else "MISSED",
+                     **({"message": failed[0]} if failed else {})})
+    return rows
+
+
+def plot(runs: list[dict], shapes) -> None:
+    from bench.reporting import new_figure, save_figure
+
+    fig, axes = new_figure(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    colours = {}
+    for ax, shape_name in zip(axes[0], shapes):
+        for run in runs:
+            if run["shape"] != shape_name or "curve" not in run:
+                continue
+            label = f"{run['optimizer']}, {run['mode']}"
+            colour = colours.setdefault(label, f"C{len(colours) % 10}")
+            ax.plot([p["step"] for p in run["curve"]], [p["metric"] for p in run["curve"]], color=colour, alpha=0.6,
+                    lw=1, label=label if run["seed"] == min(r["seed"] for r in runs) else None)
+        metric = SHAPES[shape_name].metric
+        ax.set_title(shape_name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else "held-out loss (nats/byte)")
+        if metric == "accuracy":
+            ax.set_ylim(80, 100)
+    axes[0][-1].legend(fontsize=7)
+    print("wrote", save_figure(fig, "fidelity"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.reporting import print_table, save_json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    jobs = matrix_jobs(args.shapes, list(range(args.seeds)))
+
+    def progress(outcome):
+        result = outcome.get("final", outcome.get("refused", outcome.get("failed", ""))[:60])
+        print(f"  {outcome['shape']} seed {outcome['seed']} {outcome['mode']} {outcome['optimizer']}: {result}",
+              flush=True)
+
+    runs = run_jobs(jobs, progress)
+    rows = summarise(runs)
+    print_table([r for r in rows if r["verdict"] != "refused"],
+                [("shape", "shape", ""), ("optimizer", "optimizer", ""), ("mode", "mode", ""), ("seeds", "seeds", "d"),
+                 ("mean", "mean", ".2f"), ("worst", "worst", ".3f"), ("dense_mean", "dense mean", ".3f"),
+                 ("verdict", "within target", "")])
+    for row in rows:
+        if row["verdict"] == "refused":
+            print(f"refused: {row['shape']} / {row['optimizer']} / {row['mode']}: {row['message']}")
+    minutes = (time.perf_counter() - started) / 60
+    print(f"{minutes:.1f} min; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    save_json("fidelity", {"density": DENSITY, "momentum": MOMENTUM, "warmup_steps": WARMUP_STEPS,
+                           "load_before": load_before, "load_after": os.getloadavg(), "minutes": minutes,
+                           "rows": rows, "runs": runs})
+    plot(runs, args.shapes)
+    return 0 if all(r["verdict"] in ("ok", "refused") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""density="auto": every rank switches at the same step, and error feedback stays exact across switches."""
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.support.worlds import run_world
+from wanlink.errors import ConfigError
+
+STEPS = 14
+# bytes/s per step: extremes, so the controller's choice does not depend on measured compute times
+SCHEDULE = [1e15] * 4 + [1.0] * 4 + [1e15] * 6
+OPTIONS = {"window_s": 1e-3, "hold_s": 0.0}  # each decision from the latest sample alone
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+def _train_auto(rank, size, staleness, sparse_optimizer, schedule=SCHEDULE):
+    """SGD with lr 1 and no momentum: the parameters move by exactly the sum of applied updates."""
+    from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
+    from wanlink.optim import SparseSGD
+
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    state = BlockSparseState(density="auto", min_density=0.01, max_density=0.5, staleness=staleness,
+                             sparse_optimizer=sparse_optimizer, controller_options=OPTIONS,
+                             bandwidth=lambda _now: schedule[min(state.iteration, STEPS - 1)])
+    local_sums = {p: torch.zeros_like(p) for p in model.parameters()}
+    layout = {}
+    densities = []
+
+    def hook(state, bucket):
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            local_sums[param] += grad.detach().view_as(param)  # this rank's own gradient, before the hook
+        layout[bucket.index()] = list(bucket.parameters())
+        return block_sparse_hook(state, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    optimizer = SparseSGD(ddp.parameters(), lr=1.0) if sparse_optimizer else torch.optim.SGD(ddp.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        densities.append(state.density)
+        if sparse_optimizer:
+            optimizer.step(sparse_grads=state.sparse_grads())
+        else:
+            optimizer.step()
+    if state.flush():
+        if sparse_optimizer:
+            optimizer.step(sparse_grads=state.sparse_grads())
+        else:
+            optimizer.step()
+    residuals = {}
+    for index, params in layout.items():
+        for param, sparsifier in zip(params, state._codecs[index].sparsifiers):
+            residuals[param] = sparsifier.residual.view_as(param).clone()
+    flat = lambda tensors: torch.cat([t.reshape(-1) for t in tensors])  # noqa: E731
+    params = list(model.parameters())
+    applied = flat([s - p.detach() for s, p in zip(start, params)])
+    return (applied, flat([local_sums[p] for p in params]), flat([residuals[p] for p in params]), densities,
+            state.density_stats())
+
+
+@pytest.mark.parametrize("staleness, sparse_optimizer", [(0, False), (1, False), (1, True)])
+def test_density_changes_keep_error_feedback_exact_and_ranks_in_step(staleness, sparse_optimizer):
+    (applied0, sums0, res0, dens0, stats0), (applied1, sums1, res1, dens1, stats1) = run_world(
+        2, _train_auto, staleness, sparse_optimizer)
+    assert dens0 == dens1 and stats0["changes"] == stats1["changes"]  # one decision for every rank
+    assert len(set(dens0)) >= 2 and len(stats0["changes"]) >= 2  # it went down and up again
+    assert min(dens0) == 0.01 and max(dens0) == 0.5  # within the bounds, reaching both
+    torch.testing.assert_close(applied0, applied1)  # ranks stay identical
+    # nothing lost, nothing applied twice: applied + mean residual == mean of the local gradients
+    torch.testing.assert_close(applied0 + (res0 + res1) / 2, (sums0 + sums1) / 2, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_density_options_are_validated():
+    from wanlink.c10d.sparse_hook import BlockSparseState
+
+    with pytest.raises(ConfigError, match="min_density <= max_density"):
+        BlockSparseState(density="auto", min_density=0.1, max_density=0.01)
+    with pytest.raises(ConfigError, match="max_density in"):
+        BlockSparseState(density="auto", max_density=2.0)
+    with pytest.raises(ConfigError, match="'auto'"):
+        BlockSparseState(density="fast")
+    state = BlockSparseState(density="auto", min_density=0.002, max_density=0.05)
+    assert state.density == 0.002 and state.density_stats()["changes"] == []

@@ -1,0 +1,152 @@
+"""``BlockSparseState(density="auto")``: a DensityController per rank, rank 0's decision for every rank.
+
+What the hook measures, without extra messages or round trips:
+
+- a step begins at its first bucket's hook call and lasts until the next step begins;
+- its exposed wait: how long after its last bucket's hook call the exchange DDP waits for at the
+  end of the backward pass (the step's own with staleness 0, the previous step's with staleness 1)
+  completed; compute = step time - exposed wait (the hook's own sparsifying stays in: it is on
+  the critical path whatever the density);
+- its bandwidth sample: the bytes it sent over the summed durations (launch to completion) of its
+  exchanges. That errs low (it includes latency and a late peer), so the controller's constraint
+  reads "the exchanges, one after another, take at most margin x the overlap window", a fixed
+  point the density approaches from either side; ``bandwidth=`` replaces it with a source of the
+  caller's (a link's delivery-rate estimate, or a simulated schedule).
+
+Agreement: every rank appends its proposal (a float64) to each bucket message of the all-gather it
+sends anyway; every rank reads rank 0's from the gathered buffer and uses it from ``LAG`` steps
+later, when every rank has it whatever the staleness. So every rank switches at the same step.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from wanlink.errors import ConfigError
+from wanlink.sched.density import DensityController, DensityDecision
+
+logger = logging.getLogger(__name__)
+
+PROPOSAL_BYTES = 8  # float64 after each bucket's frames
+LAG = 2  # a proposal made at step t applies from step t + LAG
+
+
+class AutoDensity:
+    """Per-rank measurements, the controller, and the agreed density of each step."""
+
+    def __init__(self, *, min_density: float, max_density: float, staleness: int, initial: float | None = None,
+                 bandwidth: Callable[[float], float] | None = None, clock: Callable[[], float] = time.monotonic,
+                 **controller_options):
+        for name, value in (("min_density", min_density), ("max_density", max_density)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise ConfigError(f"density='auto' needs {name} in (0, 1], got {value!r}")
+        if min_density > max_density:
+            raise ConfigError(f"density='auto' needs min_density <= max_density, got {min_density} > {max_density}")
+        self.min_density, self.max_density = float(min_density), float(max_density)
+        self.staleness = staleness
+        self.density = float(initial) if initial is not None else self.min_density
+        if not self.min_density <= self.density <= self.max_density:
+            raise ConfigError(f"initial density {initial} is outside [{min_density}, {max_density}]")
+        self.bandwidth, self.clock = bandwidth, clock
+        self._options = controller_options
+        self.controller: DensityController | None = None  # built at the first sparse step (needs the sizes)
+        self.last_decision: DensityDecision | None = None
+        self.changes: deque[tuple[int, float]] = deque(maxlen=1000)  # (first step, density) per change
+        self._lock = threading.Lock()  # exchanges complete on the transport's thread
+        self._first: dict[int, float] = {}  # step -> its first hook call
+        self._last: dict[int, float] = {}  # step -> its latest hook call
+        self._launched: dict[int, int] = {}
+        self._done: dict[int, list] = {}  # step -> [exchanges done, bytes, summed durations, last completion]
+        self._agreed: dict[int, float] = {}  # step -> rank 0's proposal made at that step
+
+    # -- the hook's calls --------------------------------------------------------------------------
+    def begin_step(self, step: int, full_bytes: float) -> float:
+        """The first bucket of ``step``: learn from the steps before it, propose, return its density."""
+        now = self.clock()
+        if self.controller is None:
+            self.controller = DensityController(full_bytes=full_bytes, min_density=self.min_density,
+                                                max_density=self.max_density, staleness=self.staleness,
+                                                initial=self.density, **self._options)
+        self.controller.full_bytes = float(full_bytes)  # grows while the first step meets its buckets
+        with self._lock:
+            self._observe(step, now)
+            agreed = self._agreed.pop(step - LAG, None)
+            for old in [s for s in self._agreed if s < step - LAG]:
+                del self._agreed[old]
+        self.last_decision = self.controller.decide(now)
+        if agreed is not None and agreed != self.density:
+            self._change(step, agreed)
+        self._first[step] = self._last[step] = now
+        return self.density
+
+    def proposal(self) -> float:
+        """What this rank proposes at the current step (only rank 0's counts)."""
+        return self.last_decision.density if self.last_decision is not None else self.density
+
+    def bucket_called(self, step: int) -> None:
+        self._last[step] = self.clock()
+
+    def exchange_started(self, step: int) -> float:
+        with self._lock:
+            self._launched[step] = self._launched.get(step, 0) + 1
+        return self.clock()
+
+    def exchange_done(self, step: int, started: float, nbytes: int, rank0_proposal: float) -> None:
+        """Called as an exchange completes (any thread), with rank 0's proposal read from it."""
+        now = self.clock()
+        with self._lock:
+            done = self._done.setdefault(step, [0, 0, 0.0, now])
+            done[0] += 1
+            done[1] += nbytes
+            done[2] += max(now - started, 1e-6)
+            done[3] = max(done[3], now)
+            self._agreed[step] = rank0_proposal
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _observe(self, step: int, now: float) -> None:
+        """Feed the controller what the steps before ``step`` showed (caller holds the lock)."""
+        previous = step - 1
+        if previous in self._first:
+            waited_for = self._done.get(previous - self.staleness)
+            exposed = max(0.0, waited_for[3] - self._last[previous]) if waited_for else 0.0
+            compute = now - self._first[previous] - exposed
+            if compute > 0:
+                self.controller.observe_compute(compute, now)
+        if self.bandwidth is not None:
+            self.controller.observe_bandwidth(self.bandwidth(now), now)
+        for finished in sorted(s for s, done in self._done.items() if s < step and done[0] == self._launched.get(s)):
+            _count, nbytes, durations, _end = self._done[finished]
+            if self.bandwidth is None and nbytes > 0:
+                self.controller.observe_bandwidth(nbytes / durations, now)
+            if finished < previous - self.staleness:  # no longer needed for an exposed wait
+                self._forget(finished)
+        for old in [s for s in self._first if s < previous]:
+            self._first.pop(old, None)
+            self._last.pop(old, None)
+        for old in [s for s in set(self._done) | set(self._launched) if s < step - LAG - 2]:
+            self._forget(old)  # a step whose exchanges never all completed (a failed one)
+
+    def _forget(self, step: int) -> None:
+        self._done.pop(step, None)
+        self._launched.pop(step, None)
+
+    def _change(self, step: int, density: float) -> None:
+        decision = self.last_decision
+        self.changes.append((step, density))
+        why = ""
+        if decision is not None and decision.bandwidth_Bps is not None and decision.compute_s is not None:
+            why = (f" (bandwidth estimate {8 * decision.bandwidth_Bps / 1e6:.0f} Mbit/s, compute "
+                   f"{decision.compute_s:.3f} s per step{', staleness 1 needed to hide it' if decision.staleness_needed and not self.staleness else ''})")
+        logger.info("density %.4g -> %.4g from step %d%s", self.density, density, step, why)
+        self.density = density
+
+    def stats(self) -> dict:
+        """The density in use, the changes so far and the controller's latest reasoning."""
+        decision = self.last_decision
+        return {"density": self.density, "changes": list(self.changes),
+                "bandwidth_Bps": None if decision is None else decision.bandwidth_Bps,
+                "compute_s": None if decision is None else decision.compute_s,
+                "staleness_needed": bool(decision and decision.staleness_needed)}
