@@ -49,22 +49,24 @@ def ensure_installed() -> None:
     STAMP.write_text(fingerprint)
 
 
+# What each command runs in .venv's Python, before the arguments passed through ("bench" and
+# "python" both run a script or `-m module`; "bench" says what it is for).
+COMMANDS = {
+    "demo": ["-m", "wanlink.cli.demo"],
+    "test": ["-m", "pytest"],
+    "bench": [],
+    "python": [],
+}
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "test", "bench", "python"}:
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__)
         print("usage: python3 dev.py {demo|test|bench SCRIPT|python ...} [args...]")
         return 2
     ensure_installed()
     command, rest = argv[0], argv[1:]
-    python = str(venv_python())
-    if command == "demo":
-        args = [python, "-m", "wanlink.cli.demo", *rest]
-    elif command == "test":
-        args = [python, "-m", "pytest", *rest]
-    elif command == "bench":
-        args = [python, *rest]
-    else:
-        args = [python, *rest]
+    args = [str(venv_python()), *COMMANDS[command], *rest]
     return subprocess.call(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 

@@ -2,7 +2,7 @@
 
 Variants, same seeds and data split: dense DDP on gloo; wanlink with the block-sparse hook at 1 %
 density and error feedback; the same with partial staleness 1. Prints the per-epoch test accuracy,
-writes bench/results/convergence.{json,png}. tests/c10d/test_convergence.py runs it on CI.
+writes convergence.{json,png} to --out (bench/results/ with --publish). tests/c10d/test_convergence.py runs it on CI.
 
     python3 dev.py bench bench/convergence.py [--epochs 30] [--density 0.01]
 """
@@ -17,15 +17,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 VARIANTS = {
     "dense gloo": {"backend": "gloo", "density": None, "staleness": 0},
     "sparse wanlink": {"backend": "wanlink", "density": 0.01, "staleness": 0},
     "sparse wanlink stale-1": {"backend": "wanlink", "density": 0.01, "staleness": 1},
 }
+
+
+def load_split(seed: int = 0):
+    """scikit-learn's bundled digits as float tensors: (train_x, train_y, test_x, test_y), a fixed 80/20 split."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    features = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(labels))
+    train, test = order[:cut], order[cut:]
+    return features[train], labels[train], features[test], labels[test]
 
 
 def make_model() -> torch.nn.Module:
@@ -38,7 +51,6 @@ def train_rank(rank: int, world: int, init_file: str, variant: dict, epochs: int
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import wanlink  # noqa: F401 - registers the backend
-    from wanlink.cli.demo import load_split
     from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
 
     torch.set_num_threads(1)
@@ -97,13 +109,15 @@ def run_variant(name: str, epochs: int = 30, warmup_steps: int = 20, density: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import new_figure, print_table, save_figure, save_json
+    from bench.reporting import Run, add_output_options, legend_outside, new_figure, print_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--density", type=float, default=0.01)
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    run = Run(args)
     runs = [run_variant(name, args.epochs, args.warmup_steps, args.density) for name in VARIANTS]
     dense = runs[0]["final_accuracy"]
     rows = [{"variant": r["variant"], "final_accuracy": 100 * r["final_accuracy"],
@@ -111,15 +125,15 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs]
     print_table(rows, [("variant", "variant", ""), ("final_accuracy", "test acc %", ".2f"),
                        ("vs_dense_points", "vs dense (pts)", "+.2f"), ("seconds", "seconds", ".1f")])
-    save_json("convergence", {"runs": runs})
+    print("wrote", run.save_json("convergence", {"runs": runs}))
     fig, ax = new_figure(figsize=(7, 4))
     for r in runs:
         ax.plot([p["epoch"] for p in r["curve"]], [100 * p["test_accuracy"] for p in r["curve"]], label=r["variant"])
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("digits, 2 ranks, same seeds")
-    ax.legend()
-    print("wrote", save_figure(fig, "convergence"))
+    legend_outside(ax)
+    print("wrote", run.save_figure(fig, "convergence"))
     return 0
 
 

@@ -12,8 +12,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel
+
+from wanlink.cli.demo import load_split  # the synthetic 10-class data set wanlink-demo trains on
 
 
 def main() -> None:
@@ -24,12 +25,8 @@ def main() -> None:
 
     dist.init_process_group("wanlink")  # env:// rendezvous from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
-    digits = load_digits()
-    features = torch.tensor(digits.data, dtype=torch.float32) / 16
-    labels = torch.tensor(digits.target)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    train, test = order[:1400], order[1400:]
-    shard = train[rank::world]
+    train_x, train_y, test_x, test_y = load_split()
+    shard_x, shard_y = train_x[rank::world], train_y[rank::world]
 
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Sequential(
@@ -37,13 +34,13 @@ def main() -> None:
     optimiser = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for epoch in range(args.epochs):
         started = time.perf_counter()
-        for start in range(0, len(shard) - args.batch + 1, args.batch):
-            index = shard[start:start + args.batch]
+        for start in range(0, len(shard_y) - args.batch + 1, args.batch):
+            batch = slice(start, start + args.batch)
             optimiser.zero_grad()
-            torch.nn.functional.cross_entropy(model(features[index]), labels[index]).backward()
+            torch.nn.functional.cross_entropy(model(shard_x[batch]), shard_y[batch]).backward()
             optimiser.step()
         with torch.no_grad():
-            accuracy = (model(features[test]).argmax(1) == labels[test]).float().mean()
+            accuracy = (model(test_x).argmax(1) == test_y).float().mean()
         if rank == 0:
             print(f"epoch {epoch + 1}: test accuracy {accuracy:.2%} ({time.perf_counter() - started:.2f} s)")
     dist.destroy_process_group()

@@ -3,7 +3,6 @@
 Outcomes only, never timing.
 """
 import asyncio
-import socket
 
 import pytest
 
@@ -13,6 +12,7 @@ from wanlink.errors import AuthenticationError, ConfigError, PeerLost
 from wanlink.probe.chunk import MAX_CHUNK, MIN_CHUNK
 from wanlink.proto.handshake import PROBE_META_KEY
 from wanlink.settings import Settings
+from tests.support.ports import refused_port
 
 SECRET = b"probe-test-secret"
 LIMIT = 60.0
@@ -69,7 +69,7 @@ async def test_connect_probes_when_streams_is_auto(monkeypatch):
                 if peer.links:
                     break
                 await asyncio.sleep(0.05)
-            assert [l.streams for l in peer.links] == [link.streams]
+            assert [accepted.streams for accepted in peer.links] == [link.streams]
             assert not peer.links[0].peer_meta.get(PROBE_META_KEY)
         finally:
             await link.close()
@@ -95,10 +95,7 @@ async def test_probe_with_wrong_secret_fails_with_authentication_error():
 
 @pytest.mark.asyncio
 async def test_probe_of_a_closed_port_fails_with_peer_lost():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(PeerLost):
+    with refused_port() as port, pytest.raises(PeerLost):
         await asyncio.wait_for(choose_streams("127.0.0.1", port, secret=SECRET, max_streams=2, timeout=5.0), LIMIT)
 
 

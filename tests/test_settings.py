@@ -1,4 +1,6 @@
 """The one settings surface: parsing, clear errors, and the documentation table kept in step."""
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,41 @@ def test_every_field_has_one_variable():
 
 def test_documentation_table_matches_the_code():
     assert settings.markdown_table() in DOCS.read_text()
+
+
+BUILD_TIME_VARIABLES = {"WANLINK_NO_EXT"}  # read by setup.py alone; documented below the table
+
+
+def _names_in(path: Path) -> tuple[set[str], set[str]]:
+    """WANLINK_* names inside a Python file's string literals (os.environ keys, messages, docs), and
+    those that are Python identifiers there (constants such as State.WANLINK_ACCEPT, not variables)."""
+    with tokenize.open(path) as handle:
+        tokens = list(tokenize.generate_tokens(handle.readline))
+    strings = [t.string for t in tokens if t.type in (tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", -1))]
+    identifiers = {t.string for t in tokens if t.type == tokenize.NAME and t.string.startswith("WANLINK_")}
+    return {name for text in strings for name in re.findall(r"\bWANLINK_[A-Z0-9_]+\b", text)}, identifiers
+
+
+def test_every_variable_the_code_names_is_in_the_table():
+    root = DOCS.parents[1]
+    sources = [root / "setup.py", root / "dev.py", *root.glob("wanlink/**/*.py"), *root.glob("bench/**/*.py"),
+               *root.glob("examples/*.py")]
+    named, identifiers = {}, set()
+    for path in sources:
+        in_strings, in_code = _names_in(path)
+        named.update(dict.fromkeys(in_strings, path))
+        identifiers |= in_code
+    named = {name: path for name, path in named.items() if name not in identifiers}
+    documented = {v.name for v in settings.VARIABLES} | BUILD_TIME_VARIABLES
+    missing = {name: str(path.relative_to(root)) for name, path in named.items() if name not in documented}
+    assert not missing, f"WANLINK_* variables named in the code but not in wanlink.settings.VARIABLES: {missing}"
+    assert "WANLINK_SECRET" in named  # the scan finds what it should
+    page = DOCS.read_text()
+    assert all(name in page for name in BUILD_TIME_VARIABLES)
+
+
+def test_site_is_any_name_and_a_bad_one_names_the_variable():
+    assert settings.from_env({"WANLINK_SITE": " gcp-europe-west4 "}).site == "gcp-europe-west4"
+    assert settings.from_env({"WANLINK_SITE": ""}).site is None
+    with pytest.raises(ConfigError, match="WANLINK_SITE"):
+        settings.from_env({"WANLINK_SITE": "x" * 200})

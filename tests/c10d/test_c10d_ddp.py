@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from c10d_worlds import run_world
+from tests.support.worlds import run_world
 
 STEPS = 6
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from c10d_worlds import run_world
+from tests.support.worlds import run_world
 
 
 def mixed_dtype_reduce_scatters(size):
@@ -112,7 +112,7 @@ def one_rank_skips(rank, size):
 def test_init_process_group_timeout_is_honoured():
     results = run_world(2, one_rank_skips, init_timeout=3, timeout=90)
     message, elapsed = results[0]
-    assert "all_reduce" in message and "within 3 s" in message, message
+    assert "all_reduce" in message and "timed out after 3 s waiting for rank(s) [1]" in message, message
     assert elapsed >= 2.5, f"raised after {elapsed:.1f} s, before the 3 s timeout"
 
 
@@ -157,3 +157,45 @@ def test_monitored_barrier_names_the_missing_rank():
     results = run_world(3, one_rank_late_for_monitored_barrier, init_timeout=60, timeout=90)
     assert "rank(s) [2] did not reach the barrier" in results[0], results[0]
     assert "monitored_barrier" in results[1], results[1]
+
+
+def per_call_timeouts(rank, size):
+    """Rank 2 never calls a collective; ranks 0 and 1 time out in several ways."""
+    from wanlink.c10d import monitored_barrier
+    from wanlink.errors import DeadlineExceeded
+
+    if rank == 2:
+        time.sleep(20)
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    messages = {}
+
+    def timed_out(name, call):
+        with pytest.raises(DeadlineExceeded) as caught:
+            call()
+        messages[name] = str(caught.value)
+
+    zero = dist.AllreduceOptions()
+    zero.timeout = timedelta(0)
+    timed_out("all_reduce zero", lambda: group.allreduce([torch.ones(4)], zero).wait())
+    barrier = dist.BarrierOptions()
+    barrier.timeout = timedelta(seconds=3)
+    timed_out("barrier 3 s", lambda: group.barrier(barrier).wait())
+    timed_out("monitored_barrier zero", lambda: monitored_barrier(timeout=timedelta(0), wait_all_ranks=True))
+    return messages
+
+
+def test_every_timeout_is_honoured_zero_included_and_says_timed_out():
+    results = run_world(3, per_call_timeouts, init_timeout=120, timeout=120)
+    for rank in (0, 1):
+        messages = results[rank]
+        assert all("timed out after" in message and "group '0'" in message for message in messages.values()), messages
+        assert "all_reduce #0" in messages["all_reduce zero"] and "after 0 s" in messages["all_reduce zero"]
+        assert "barrier #1" in messages["barrier 3 s"] and "after 3 s waiting for rank(s) [" in messages["barrier 3 s"]
+        assert "2]" in messages["barrier 3 s"], messages  # rank 2 never came
+        assert "monitored_barrier #2" in messages["monitored_barrier zero"]
+    # zero: rank 0 expires at once, naming every rank it had not heard from (rank 1's report may already be
+    # there); rank 1 gives up on rank 0 at once
+    message = results[0]["monitored_barrier zero"]
+    assert "after 0 s: rank(s) [" in message and "2] did not reach the barrier" in message, message
+    assert "after 0 s waiting for rank 0" in results[1]["monitored_barrier zero"], results[1]

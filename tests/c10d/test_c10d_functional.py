@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from c10d_worlds import run_world
+from tests.support.worlds import run_world
 
 
 def _waited(result) -> list:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from c10d_worlds import run_world
+from tests.support.worlds import run_world
 
 NUMEL = 3 << 20  # 12 MiB of float32 per rank
 ROUNDS = 3

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from wanlink.errors import PeerLost
-from tests.io.conftest import open_pair
+from tests.support.links import open_pair
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,7 +8,7 @@ import pytest
 import wanlink
 from wanlink.errors import DeadlineExceeded
 from wanlink.io.runtime import Runtime, get_runtime, shutdown_runtime
-from tests.io.conftest import open_pair
+from tests.support.links import open_pair
 
 
 def open_fds() -> int:
@@ -84,4 +84,4 @@ def test_run_from_the_loop_thread_is_refused():
 def test_public_api_is_importable_lazily():
     assert callable(wanlink.connect) and callable(wanlink.serve) and callable(wanlink.stats)
     with pytest.raises(AttributeError):
-        wanlink.not_a_thing
+        _ = wanlink.not_a_thing

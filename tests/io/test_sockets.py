@@ -59,7 +59,7 @@ def test_socket_buffer_option():
 async def test_kernel_bytes_acked_counts_what_the_peer_kernel_received():
     import asyncio
 
-    from tests.io.conftest import open_pair
+    from tests.support.links import open_pair
 
     pair = await open_pair(2)
     try:
@@ -70,3 +70,82 @@ async def test_kernel_bytes_acked_counts_what_the_peer_kernel_received():
         assert before is not None and after - before >= 3_000_000  # payload plus frame headers
     finally:
         await pair.close()
+
+
+def test_tcp_info_layout_follows_linux_struct():
+    from wanlink.io.sockets import _TCP_INFO_OFFSETS, TCP_INFO_BYTES
+
+    # offsets from include/uapi/linux/tcp.h, counted by hand
+    expected = {"snd_mss": 16, "sacked": 28, "pmtu": 60, "rtt": 68, "snd_cwnd": 80, "total_retrans": 100,
+                "pacing_rate": 104, "bytes_acked": 120, "min_rtt": 148, "delivery_rate": 160, "bytes_sent": 200,
+                "snd_wnd": 228}
+    assert {name: _TCP_INFO_OFFSETS[name][0] for name in expected} == expected
+    assert TCP_INFO_BYTES == 232
+
+
+def test_tcp_info_layout_matches_the_installed_header(tmp_path):
+    """Every field's offset as the C compiler computes it from <linux/tcp.h> (skipped without cc or header)."""
+    import os
+    import shutil
+    import subprocess
+
+    from wanlink.io.sockets import _TCP_INFO_OFFSETS
+
+    header = "/usr/include/linux/tcp.h"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not os.path.exists(header):
+        pytest.skip("no C compiler or no linux/tcp.h")
+    with open(header) as f:
+        text = f.read()
+    bitfields = {"wscale", "app_limited_flags"}
+    names = [n for n in _TCP_INFO_OFFSETS if n not in bitfields and f"tcpi_{n};" in text]
+    prints = "".join(f'printf("{n} %zu\\n", offsetof(struct tcp_info, tcpi_{n}));' for n in names)
+    source = tmp_path / "offsets.c"
+    source.write_text("#include <stddef.h>\n#include <stdio.h>\n#include <linux/tcp.h>\n"
+                      f"int main(void) {{ {prints} return 0; }}\n")
+    subprocess.run([compiler, str(source), "-o", str(tmp_path / "offsets")], check=True)
+    out = subprocess.run([str(tmp_path / "offsets")], check=True, capture_output=True, text=True).stdout
+    measured = {name: int(offset) for name, offset in (line.split() for line in out.splitlines())}
+    assert measured == {name: _TCP_INFO_OFFSETS[name][0] for name in names}
+    assert len(names) >= 50
+
+
+def test_parse_tcp_info_leaves_fields_the_kernel_lacks_unset():
+    from wanlink.io.sockets import _TCP_INFO_OFFSETS, TCP_INFO_BYTES, parse_tcp_info
+
+    raw = bytearray(TCP_INFO_BYTES)
+    for name, value in (("snd_mss", 1448), ("snd_cwnd", 10), ("rtt", 40000), ("total_retrans", 7),
+                        ("bytes_acked", 1 << 40), ("snd_wnd", 65536)):
+        offset, field = _TCP_INFO_OFFSETS[name]
+        field.pack_into(raw, offset, value)
+    full = parse_tcp_info(bytes(raw))
+    assert (full.cwnd_bytes, full.rtt, full.total_retrans, full.bytes_acked, full.snd_wnd) == \
+        (14480, 40000, 7, 1 << 40, 65536)
+    old = parse_tcp_info(bytes(raw[:104]))  # a Linux 2.6-3.14 struct
+    assert old.total_retrans == 7 and old.bytes_acked is None and old.snd_wnd is None
+    pre_5_4 = parse_tcp_info(bytes(raw[:228]))
+    assert pre_5_4.bytes_acked == 1 << 40 and pre_5_4.snd_wnd is None
+    assert parse_tcp_info(bytes(raw[:103])) is None
+
+
+def test_tcp_info_reads_the_kernel_counters():
+    from wanlink.io.sockets import tcp_bytes_acked, tcp_info
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with socket.create_connection(listener.getsockname()) as conn:
+            peer, _ = listener.accept()
+            with peer:
+                conn.sendall(b"x" * 100000)
+                received = 0
+                while received < 100000:
+                    received += len(peer.recv(65536))
+                info = tcp_info(conn)
+                if info is None:
+                    pytest.skip("no TCP_INFO on this platform")
+                acked = tcp_bytes_acked(conn)
+    assert info.total_retrans == 0 and info.pmtu >= 1500 and info.snd_mss > 0
+    assert info.cwnd_bytes >= info.pmtu // 2 and info.rttvar >= 0  # rtt itself may read 0 µs on loopback
+    if info.snd_wnd is not None:  # Linux 5.4 and later
+        assert info.snd_wnd > 0
+    if info.bytes_acked is not None:  # 4.1 and later; read twice: acks may arrive in between
+        assert info.bytes_acked <= acked <= 100001  # the SYN counts as one byte

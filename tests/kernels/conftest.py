@@ -7,7 +7,7 @@ import zlib
 
 import numpy as np
 import pytest
-import wanlink.compress  # noqa: F401
+import wanlink.compress
 import wanlink.optim  # noqa: F401
 from wanlink import kernels
 

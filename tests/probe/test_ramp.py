@@ -102,7 +102,7 @@ def test_noisy_window_limited_curves_choose_near_the_best(seed):
         per_flow, bottleneck = 10 ** rng.uniform(5, 9), 10 ** rng.uniform(6, 10)
         noise = rng.uniform(0, 0.03)
         curve = window_limited(per_flow, bottleneck)
-        ramp = run(lambda n: curve(n) * (1 + rng.uniform(-noise, noise)))
+        ramp = run(lambda n, curve=curve, noise=noise: curve(n) * (1 + rng.uniform(-noise, noise)))
         chosen = ramp.choice()
         assert 1 <= chosen <= 64
         # the chosen count is within the gain threshold of the best measured rate

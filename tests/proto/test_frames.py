@@ -159,10 +159,30 @@ def test_a_placer_returning_the_wrong_size_is_local_misuse():
         dec.feed(data_frame(1, 0, 64, 0, bytes(64)))
 
 
+def _decode(blob, piece_sizes):
+    """Feed ``blob`` in consecutive, non-overlapping pieces; returns (events as comparable tuples, error type)."""
+    dec, _ = decoder()
+    events, start = [], 0
+    try:
+        for size in piece_sizes:
+            if start >= len(blob):
+                break
+            events += [(type(e).__name__, getattr(e, "header", None)) for e in dec.feed(blob[start:start + size])]
+            start += size
+    except RemoteProtocolError as exc:  # LimitExceeded is one too; local misuse or anything else fails the test
+        return events, type(exc)
+    assert start >= len(blob), "pieces did not cover the input"
+    return events, None
+
+
 def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():
+    """Every byte is fed exactly once, and how the bytes are split never changes what is decoded."""
     rng = random.Random(1234)
-    valid = [data_frame(1, 0, 64, 0, bytes(64)), PING_FRAME, ack_header(1, 0, 64, 0, 64), control_header(2) + b"\x91\x01",
-             data_header(2, 0, 100, 0, 7, flags=Flags.LZ4, raw_len=100) + lz4.block.compress(bytes(100), store_size=False)[:7]]
+    valid = [data_frame(1, 0, 64, 0, bytes(64)), PING_FRAME, ack_header(1, 0, 64, 0, 64),
+             control_header(2) + b"\x91\x01",
+             data_header(2, 0, 100, 0, 7, flags=Flags.LZ4, raw_len=100)
+             + lz4.block.compress(bytes(100), store_size=False)[:7]]
+    outcomes = set()
     for trial in range(3000):
         if trial % 3 == 0:
             blob = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200)))
@@ -171,12 +191,17 @@ def test_fuzz_random_and_mutated_frames_only_raise_typed_errors():
             for _ in range(rng.randint(1, 6)):
                 blob[rng.randrange(len(blob))] = rng.getrandbits(8)
             blob = bytes(blob)
-        dec, _ = decoder()
-        try:
-            for start in range(0, len(blob), rng.randint(1, 50)):
-                dec.feed(blob[start:start + 50])
-        except RemoteProtocolError:
-            pass  # LimitExceeded is a RemoteProtocolError too; anything else fails the test
+        bytewise_events, bytewise_error = _decode(blob, [1] * len(blob))
+        events, error = _decode(blob, [rng.randint(1, 50) for _ in range(len(blob))])
+        assert error is bytewise_error, f"trial {trial}: {error} split randomly, {bytewise_error} byte by byte"
+        if error is None:
+            assert events == bytewise_events, f"trial {trial}"
+        else:  # a feed() that raises drops the events completed earlier in the same piece
+            assert events == bytewise_events[:len(events)], f"trial {trial}"
+        outcomes.add(error)
+        outcomes.update(name for name, _ in bytewise_events)
+    # the fuzz reached both the decoding paths and the rejections
+    assert {None, RemoteProtocolError, LimitExceeded, "ChunkReceived", "PingReceived"} <= outcomes
 
 
 def test_fuzz_never_allocates_beyond_limits():

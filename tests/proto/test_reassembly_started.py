@@ -1,10 +1,10 @@
 """``Reassembler.next_started``: peeking whether the next message on a tag has begun, claiming nothing."""
-from wanlink.proto.frames import FrameType, Header
+from wanlink.proto.frames import FLAG_EAGER, FrameType, Header
 from wanlink.proto.reassembly import Reassembler
 
 
 def chunk(tag, seq, total, offset, length):
-    return Header(FrameType.DATA, 0, tag, seq, total, offset, length, length, 0)
+    return Header(FrameType.DATA, FLAG_EAGER, tag, seq, total, offset, length, length, 0)
 
 
 def test_nothing_started_on_an_unknown_or_quiet_tag():

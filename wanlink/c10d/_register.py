@@ -52,7 +52,7 @@ def autoload() -> None:
         else:
             install()
     except Exception as error:  # noqa: BLE001 - must never break `import torch`
-        logger.warning("wanlink: could not register the torch.distributed backend: %r", error)
+        logger.warning("could not register the torch.distributed backend: %r", error)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
@@ -93,6 +93,6 @@ def install() -> None:
         try:
             register()
         except Exception as error:  # noqa: BLE001 - a broken torch must not break `import wanlink`
-            logger.warning("wanlink: could not register the torch.distributed backend: %r", error)
+            logger.warning("could not register the torch.distributed backend: %r", error)
     elif _hook not in sys.meta_path:
         sys.meta_path.insert(0, _hook)

@@ -43,6 +43,17 @@ def check_tensors(op: str, tensors: Sequence[torch.Tensor], same_dtype: bool = T
         raise UnsupportedError(f"wanlink {op}: all tensors must share one dtype, got {sorted(map(str, dtypes))}")
 
 
+def check_sparse(op: str, tensor: torch.Tensor, opts) -> None:
+    """A sparse COO tensor of a supported dtype on cpu or cuda, reduced with SUM (all gloo supports)."""
+    if tensor.dtype not in SUPPORTED_DTYPES or tensor.dtype == torch.bool:
+        raise UnsupportedError(f"wanlink {op}: sparse tensors of dtype {tensor.dtype} are not supported")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise UnsupportedError(f"wanlink {op}: device {tensor.device} is not supported (cpu, cuda)")
+    name = reduce_name(op, opts)
+    if name != "sum":
+        raise UnsupportedError(f"wanlink {op}: sparse tensors are reduced with SUM only, got {name.upper()}")
+
+
 def single(op: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The one tensor of a one-tensor call."""
     if len(tensors) != 1:

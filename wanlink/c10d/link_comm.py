@@ -5,6 +5,7 @@ Also the per-process pool of scratch buffers the algorithms borrow (``Comm.empty
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -55,6 +56,21 @@ class LinkComm(Comm):
         self.rank, self.size, self.piece_bytes = rank, len(mesh_ranks), piece_bytes
         self._mesh, self._mesh_ranks, self._base_tag, self._deadline = mesh, mesh_ranks, base_tag, deadline
         self._borrowed: list[torch.Tensor] = []
+        self._waiting: dict[int, int] = {}  # peer -> this comm's unfinished sends and receives with it
+
+    def waiting_for(self) -> list[int]:
+        """The peers this collective still waits on: unacknowledged sends, receives not yet complete."""
+        return [peer for peer, count in self._waiting.items() if count]
+
+    @contextlib.contextmanager
+    def _exchanging(self, peers: Sequence[int]):
+        for peer in peers:
+            self._waiting[peer] = self._waiting.get(peer, 0) + 1
+        try:
+            yield
+        finally:
+            for peer in peers:
+                self._waiting[peer] -= 1
 
     async def _link(self, peer: int):
         mesh_rank = self._mesh_ranks[peer]
@@ -63,14 +79,16 @@ class LinkComm(Comm):
     async def send(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> None:
         if tensor.numel() == 0:
             return
-        link = await self._link(peer)
-        await link.send(as_buffer(tensor), tag=self._base_tag | piece, deadline=self._deadline)
+        with self._exchanging((peer,)):
+            link = await self._link(peer)
+            await link.send(as_buffer(tensor), tag=self._base_tag | piece, deadline=self._deadline)
 
     async def recv(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> None:
         if tensor.numel() == 0:
             return
-        link = await self._link(peer)
-        await link.recv_into(as_buffer(tensor), tag=self._base_tag | piece)
+        with self._exchanging((peer,)):
+            link = await self._link(peer)
+            await link.recv_into(as_buffer(tensor), tag=self._base_tag | piece)
 
     async def recv_any(self, peers: Sequence[int], tensor: torch.Tensor, piece: int = 0) -> int:
         """Receive the next message on this tag from whichever of ``peers`` sends one; returns that peer.
@@ -78,8 +96,11 @@ class LinkComm(Comm):
         Only a message that has started arriving is claimed, so when several peers send, one message
         is received and the others stay queued for the next receive.
         """
+        with self._exchanging(peers):
+            return await self._recv_first(peers, tensor, self._base_tag | piece)
+
+    async def _recv_first(self, peers: Sequence[int], tensor: torch.Tensor, tag: int) -> int:
         links = {peer: await self._link(peer) for peer in peers}
-        tag = self._base_tag | piece
         while True:
             for peer, link in links.items():
                 if link.message_started(tag):  # checked and claimed with no await in between

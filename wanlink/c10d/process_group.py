@@ -3,7 +3,8 @@
 Each call validates its arguments in the caller's thread (unsupported things raise at once),
 stages tensors into flat CPU buffers, and submits one coroutine to the process's I/O loop; the
 returned Work finishes when that coroutine does. Small tensors use direct exchange, large ones
-pipelined rings (``wanlink.collectives``).
+pipelined rings (``wanlink.collectives``), or the site-aware algorithms when the group spans
+sites where they pay off (docs/sites.md).
 """
 from __future__ import annotations
 
@@ -18,18 +19,20 @@ import torch
 from torch._C._distributed_c10d import ProcessGroup
 
 from wanlink.c10d import tags
-from wanlink.c10d.checks import (check_batch, check_one_per_member, check_tensors, nbytes, reduce_name,
-                                 root_of, root_tensor_list, same_numel, single, split_counts)
+from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse, check_tensors, nbytes,
+                                 reduce_name, root_of, root_tensor_list, same_numel, single, split_counts)
 from wanlink.c10d.deadlines import URGENT, current_deadline
 from wanlink.c10d.debug import VARIES, Fingerprint, check_fingerprint
 from wanlink.c10d.gc_freeze import freeze_gc_once
+from wanlink.c10d.identity import GroupIdentity
 from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
-from wanlink.collectives import direct, ring
+from wanlink.collectives import direct, sparse
+from wanlink.collectives.choice import AlgorithmChoice
 from wanlink.collectives.base import Comm, gather_all, split
-from wanlink.collectives.reduce_ops import finish_average, reducer_for
+from wanlink.collectives.reduce_ops import reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
 from wanlink.settings import Settings
 
@@ -39,7 +42,7 @@ SHUTDOWN_DRAIN_SECONDS = 10.0
 """Longest the world group waits at shutdown for peers to finish reading what it sent."""
 
 
-class ProcessGroupWanlink(ProcessGroup):
+class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
     """The "wanlink" backend: see docs/c10d.md."""
 
     def __init__(self, mesh: Mesh, owns_mesh: bool, mesh_ranks: Sequence[int], group_rank: int,
@@ -51,34 +54,13 @@ class ProcessGroupWanlink(ProcessGroup):
         self.label, self.default_timeout = group_name, timeout
         self._group_name, self._group_desc = group_name, group_name
         self.slot = mesh.claim_slot(group_name)
-        self.direct_max_bytes, self.piece_bytes = settings.direct_max_bytes, settings.piece_bytes
+        self.site_map = mesh.sites.subgroup(self.mesh_ranks)
+        self.algorithms = AlgorithmChoice.for_group(settings.direct_max_bytes, self.site_map)
+        self.piece_bytes = settings.piece_bytes
         self.detail = detail  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's fingerprint
         self._sequence = 0
         self._sequence_lock = threading.Lock()
         freeze_gc_once(settings.gc_freeze)
-
-    # -- identity -----------------------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return "wanlink"
-
-    def name(self) -> str:
-        return "wanlink"
-
-    # torch's ProcessGroup keeps its name and description in its per-device Backends; a Python
-    # ProcessGroup has none, so `group_name` (which functional collectives, DTensor and FSDP2
-    # resolve groups by) would raise "ProcessGroup name not set". These overrides are what
-    # C++ (ProcessGroup::getGroupName) and Python (`pg.group_name`, `_set_group_name`) reach.
-    def getGroupName(self) -> str:  # noqa: N802 - torch's name
-        return self._group_name
-
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._group_desc = desc
 
     def __repr__(self) -> str:
         return f"ProcessGroupWanlink(group={self.label!r}, rank={self.group_rank}, size={self.group_size})"
@@ -98,29 +80,34 @@ class ProcessGroupWanlink(ProcessGroup):
     def _comm(self, base_tag: int, deadline: tuple = URGENT) -> LinkComm:
         return LinkComm(self.mesh, self.mesh_ranks, self.group_rank, self.piece_bytes, base_tag, deadline)
 
-    def _deadline_seconds(self, opts=None) -> float:
-        timeout = getattr(opts, "timeout", None)
-        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+    def _timeout_seconds(self, timeout) -> float:
+        """A call's timeout: its own when set (zero included: expires at once), else the group's.
+        torch marks "unset" with a negative timedelta (-1 ms) in its options objects."""
+        if isinstance(timeout, timedelta) and timeout >= timedelta(0):
             return timeout.total_seconds()
         return self.default_timeout.total_seconds()
 
     def _launch(self, op: str, label: str, body: Awaitable, outputs: list, seconds: float,
-                reports_source: bool = False) -> WanlinkWork:
+                comms: Sequence[LinkComm], reports_source: bool = False) -> WanlinkWork:
+        """Submit ``body`` to the I/O loop under a ``seconds`` timeout; its errors name the op and group."""
+        where = f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
+
         async def guarded():
             try:
                 return await asyncio.wait_for(body, seconds)
-            except DeadlineExceeded:  # raised inside the collective: already says what timed out
-                raise
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(
-                    f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size}) "
-                    f"did not finish within {seconds:g} s: a peer is dead, stuck or not calling it") from None
+            except asyncio.TimeoutError as error:
+                if isinstance(error, DeadlineExceeded):  # from inside the algorithm: it says whom it missed
+                    raise DeadlineExceeded(f"{where}: {error}") from None
+                waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
+                    [rank for rank in range(self.group_size) if rank != self.group_rank]
+                raise DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
+                                       f"dead, stuck or not calling it") from None
             except PeerLost as error:
-                raise PeerLost(f"wanlink {label} (group {self.label!r}, rank {self.group_rank}): {error}") from error
+                raise PeerLost(f"{where}: {error}") from error
 
         traced = torch.autograd._profiler_enabled()  # a range costs ~5 us and a GIL hand-off: only when traced
         with torch.profiler.record_function(f"wanlink:{op}") if traced else contextlib.nullcontext():
-            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source)
+            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source, where)
 
     def _collective(self, op: str, fingerprint: tuple, body: Callable[..., Awaitable[None]],
                     staging: Staging, outputs: list, opts=None, parts: int = 1) -> WanlinkWork:
@@ -132,9 +119,9 @@ class ProcessGroupWanlink(ProcessGroup):
         sequence = self._next_sequence(parts)
         dtype, count, root = fingerprint
         deadline = current_deadline()  # the launching thread's deadline_scope, URGENT outside one
+        comms = [self._comm(tags.collective_tag(self.slot, sequence + k), deadline) for k in range(parts)]
 
         async def run() -> None:
-            comms = [self._comm(tags.collective_tag(self.slot, sequence + k), deadline) for k in range(parts)]
             if self.detail:
                 await check_fingerprint(comms[0], Fingerprint(sequence, op, dtype, count, root), self.label)
             await body(*comms)
@@ -142,38 +129,20 @@ class ProcessGroupWanlink(ProcessGroup):
             for comm in comms:
                 comm.release()  # only on success: after a failure a send may still read its buffer
 
-        return self._launch(op, f"{op} #{sequence}", run(), outputs, self._deadline_seconds(opts))
+        return self._launch(op, f"{op} #{sequence}", run(), outputs,
+                            self._timeout_seconds(getattr(opts, "timeout", None)), comms)
 
-    def _is_small(self, size_bytes: int) -> bool:
-        return size_bytes <= self.direct_max_bytes
-
-    # -- algorithm choice (shared by single and coalesced calls) ----------------------------------
-    async def _run_allreduce(self, comm: Comm, buffer: torch.Tensor, reducer, name: str) -> None:
-        await (direct.allreduce if self._is_small(nbytes(buffer)) else ring.allreduce)(comm, buffer, reducer)
-        if name == "avg":
-            finish_average(buffer, self.group_size)
-
-    async def _run_reduce_scatter(self, comm: Comm, blocks: list[torch.Tensor], result: torch.Tensor,
-                                  reducer, name: str) -> None:
-        if self._is_small(nbytes(result) * self.group_size):
-            await direct.reduce_scatter(comm, blocks, result, reducer)
-        else:
-            await ring.reduce_scatter_into(comm, blocks, result, reducer)
-        if name == "avg":
-            finish_average(result, self.group_size)
-
-    async def _run_all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        if self._is_small(sum(nbytes(target) for target in targets)):
-            await direct.all_gather(comm, source, targets)
-        else:
-            targets[self.group_rank].copy_(source)
-            await ring.all_gather(comm, targets)
+    def sites(self) -> dict:
+        """This rank's site and LocalDPRank and the group's cells (``wanlink.c10d.site_map``)."""
+        return {**self.site_map.describe(self.group_rank), "site_aware": self.algorithms.site_aware}
 
     # -- reductions ---------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         """``dist.all_reduce``."""
         op = "all_reduce"
         tensor = single(op, tensors)
+        if tensor.layout == torch.sparse_coo:
+            return self._sparse_allreduce(op, tensor, opts)
         check_tensors(op, [tensor])
         name = reduce_name(op, opts)
         reducer = reducer_for(name, tensor.dtype, op)
@@ -181,9 +150,21 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.write(tensor, fill=True)
 
         async def body(comm: Comm) -> None:
-            await self._run_allreduce(comm, buffer, reducer, name)
+            await self.algorithms.allreduce(comm, buffer, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
+
+    def _sparse_allreduce(self, op: str, tensor: torch.Tensor, opts) -> WanlinkWork:
+        """All-reduce of a sparse COO tensor: ``tensor`` becomes the coalesced sum, as with gloo."""
+        check_sparse(op, tensor, opts)
+        local = tensor.detach().coalesce().cpu()
+
+        async def body(comm: Comm) -> None:
+            summed = await sparse.allreduce_coo(comm, local)
+            with torch.no_grad():
+                tensor.copy_(summed)
+
+        return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, Staging(), [tensor], opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """``dist.all_reduce_coalesced``: every tensor in one collective."""
@@ -197,7 +178,7 @@ class ProcessGroupWanlink(ProcessGroup):
         flat = torch.cat([staging.read(tensor) for tensor in tensors])
 
         async def body(comm: Comm) -> None:
-            await self._run_allreduce(comm, flat, reducer, name)
+            await self.algorithms.allreduce(comm, flat, reducer, name)
             copy_parts(flat, tensors)
 
         return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts)
@@ -208,7 +189,7 @@ class ProcessGroupWanlink(ProcessGroup):
         result = staging.write(output)
 
         async def body(comm: Comm) -> None:
-            await self._run_reduce_scatter(comm, blocks, result, reducer, name)
+            await self.algorithms.reduce_scatter(comm, blocks, result, reducer, name)
 
         return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts)
 
@@ -257,7 +238,7 @@ class ProcessGroupWanlink(ProcessGroup):
         dtype = outputs[0].dtype
         reducer = reducer_for(name, dtype, op)
         staging = Staging()
-        is_small = [self._is_small(nbytes(output) * self.group_size) for output in outputs]
+        is_small = [self.algorithms.is_small(nbytes(output) * self.group_size) for output in outputs]
         small = [i for i, flag in enumerate(is_small) if flag]
         jobs = [(self._blocks_of(source, output, staging), staging.write(output))  # (blocks, result) each
                 for flag, output, source in zip(is_small, outputs, inputs) if not flag]
@@ -270,7 +251,7 @@ class ProcessGroupWanlink(ProcessGroup):
             jobs.append((list(stacked), torch.empty(stacked.shape[1], dtype=dtype)))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([self._run_reduce_scatter(comm, blocks, result, reducer, name)
+            await gather_all([self.algorithms.reduce_scatter(comm, blocks, result, reducer, name)
                               for comm, (blocks, result) in zip(comms, jobs)])
             if joint:
                 copy_parts(jobs[-1][1], joint)
@@ -288,13 +269,10 @@ class ProcessGroupWanlink(ProcessGroup):
         reducer = reducer_for(name, tensor.dtype, op)
         staging = Staging()
         is_root = self.group_rank == root
-        small = self._is_small(nbytes(tensor))
         buffer = staging.write(tensor, fill=True) if is_root else staging.read(tensor)
 
         async def body(comm: Comm) -> None:
-            await (direct.reduce if small else ring.reduce)(comm, buffer, root, reducer)
-            if is_root and name == "avg":
-                finish_average(buffer, self.group_size)
+            await self.algorithms.reduce(comm, buffer, root, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
@@ -309,14 +287,14 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.read(tensor) if self.group_rank == root else staging.write(tensor)
 
         async def body(comm: Comm) -> None:
-            await (direct.broadcast if self._is_small(nbytes(buffer)) else ring.broadcast)(comm, buffer, root)
+            await self.algorithms.broadcast(comm, buffer, root)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
     def _all_gather_into(self, op: str, source: torch.Tensor, targets: list[torch.Tensor],
                          staging: Staging, outputs: list, opts) -> WanlinkWork:
         async def body(comm: Comm) -> None:
-            await self._run_all_gather(comm, source, targets)
+            await self.algorithms.all_gather(comm, source, targets)
 
         return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts)
 
@@ -352,7 +330,7 @@ class ProcessGroupWanlink(ProcessGroup):
         """Rank k's inputs[i] lands in destinations[k][i], as one Work. Small inputs travel together
         as one all-gather of their bytes, concatenated (one round instead of one each); large ones
         run as their own all-gathers, all at once."""
-        is_small = [self._is_small(nbytes(tensor) * self.group_size) for tensor in inputs]
+        is_small = [self.algorithms.is_small(nbytes(tensor) * self.group_size) for tensor in inputs]
         small = [i for i, flag in enumerate(is_small) if flag]
         jobs = [(staging.read(tensor), [staging.write(row[i]) for row in destinations])  # (source, targets) each
                 for i, (flag, tensor) in enumerate(zip(is_small, inputs)) if not flag]
@@ -364,7 +342,7 @@ class ProcessGroupWanlink(ProcessGroup):
             jobs.append((gathered[self.group_rank], gathered))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([self._run_all_gather(comm, source, targets)
+            await gather_all([self.algorithms.all_gather(comm, source, targets)
                               for comm, (source, targets) in zip(comms, jobs)])
             if small:
                 for target, row in zip(gathered, landing):
@@ -376,7 +354,7 @@ class ProcessGroupWanlink(ProcessGroup):
         return self._collective(op, fingerprint, body, staging, outputs, opts, parts=len(jobs))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` = rank k's ``input_list[i]``, every tensor in one collective."""
+        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` = rank k's ``input_list[i]``, in one collective."""
         op = "all_gather_coalesced"
         if not input_list or len(output_lists) != self.group_size:
             raise ConfigError(f"wanlink {op}: need at least one input and {self.group_size} output lists, "
@@ -481,18 +459,18 @@ class ProcessGroupWanlink(ProcessGroup):
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
         """``wanlink.c10d.monitored_barrier`` (torch's ``dist.monitored_barrier`` takes gloo groups only)."""
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 \
-            else self.default_timeout.total_seconds()
+        seconds = self._timeout_seconds(timeout)
         sequence = self._next_sequence()
+        comm = self._comm(tags.collective_tag(self.slot, sequence))
 
         async def body() -> None:
-            comm = self._comm(tags.collective_tag(self.slot, sequence))
             if self.detail:
                 await check_fingerprint(comm, Fingerprint(sequence, "monitored_barrier", None, 0), self.label)
             await direct.monitored_barrier(comm, seconds, wait_all_ranks)
 
-        work = self._launch("monitored_barrier", f"monitored_barrier #{sequence}", body(), [], seconds * 2 + 1)
-        work.wait()
+        # the algorithm times itself (and names the ranks it missed); this bound catches the rest
+        self._launch("monitored_barrier", f"monitored_barrier #{sequence}", body(), [], 2 * seconds + 1,
+                     [comm]).wait()
 
     # -- point to point -----------------------------------------------------------------------
     def _p2p(self, op: str, tensors, peer: int | None, tag: int, sending: bool) -> WanlinkWork:
@@ -524,7 +502,8 @@ class ProcessGroupWanlink(ProcessGroup):
             return source
 
         label = f"{op} {'any rank' if peer is None else f'peer {peer}'} tag {tag}"
-        return self._launch(op, label, body(), list(tensors), self._deadline_seconds(), reports_source=not sending)
+        return self._launch(op, label, body(), list(tensors), self._timeout_seconds(None), [comm],
+                            reports_source=not sending)
 
     def send(self, tensors, dstRank: int, tag: int):  # noqa: N803 - torch's names
         """``dist.send`` / ``dist.isend``."""
@@ -535,7 +514,10 @@ class ProcessGroupWanlink(ProcessGroup):
         return self._p2p("recv", tensors, srcRank, tag, sending=False)
 
     def recv_anysource(self, tensors, tag: int):
-        """``dist.recv`` / ``dist.irecv`` without ``src``: receive from whichever rank sends on ``tag`` first; ``work._source_rank()`` names it."""
+        """``dist.recv`` / ``dist.irecv`` without ``src``: from whichever rank sends on ``tag`` first.
+
+        ``work._source_rank()`` names that rank.
+        """
         return self._p2p("recv", tensors, None, tag, sending=False)
 
     # torch >= 2.13 names; the underscore names are what older torch calls
@@ -568,5 +550,5 @@ class ProcessGroupWanlink(ProcessGroup):
         try:
             self.mesh.runtime.run(barrier(), timeout=min(SHUTDOWN_DRAIN_SECONDS, self.default_timeout.total_seconds()))
         except Exception as error:  # noqa: BLE001 - peers may be gone already; closing anyway
-            logger.debug("wanlink: shutdown drain of group %r: %r", self.label, error)
+            logger.debug("shutdown drain of group %r: %r", self.label, error)
 

@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from wanlink.c10d.deadlines import deadline_scope
 from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, encoded_size, scatter_add_
-from wanlink.compress.sparsifier import target_blocks
 from wanlink.errors import ConfigError, UnsupportedError
 
 BLOCK = 16
@@ -236,7 +235,8 @@ class BlockSparseState:
         if self._results:
             raise ConfigError("a step is still in flight: call flush() and step the optimizer before checkpointing")
         return {"iteration": self.iteration, "density": self.density,
-                "buckets": {index: [s.state_dict() for s in codec.sparsifiers] for index, codec in self._codecs.items()}}
+                "buckets": {index: [s.state_dict() for s in codec.sparsifiers]
+                            for index, codec in self._codecs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
@@ -299,7 +299,8 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     exchange = work.get_future().then(finish)
     if state.sparse_optimizer:
         state.apply_step(iteration - state.staleness)
-        ready = _futures_of(_previous_step_sources(state, iteration, params, exchange)) if state.staleness else [exchange]
+        ready = (_futures_of(_previous_step_sources(state, iteration, params, exchange)) if state.staleness
+                 else [exchange])
         return torch.futures.collect_all(ready).then(lambda _done: buffer)
     if not state.staleness:
         return exchange
@@ -340,7 +341,7 @@ def _previous_step_result(state: BlockSparseState, iteration: int, params: list,
 
     def assemble(_done):
         buffer.zero_()
-        for offset, param, source in zip(offsets, params, sources):
+        for offset, _param, source in zip(offsets, params, sources):
             if source is not None:
                 future, start, numel = source
                 buffer[offset:offset + numel] = future.value()[start:start + numel]

@@ -20,9 +20,11 @@ class WanlinkWork(Work):
     A receive's coroutine returns the sender's group rank, which ``_source_rank()`` reports.
     """
 
-    def __init__(self, op: str, outputs: list, submitted: concurrent.futures.Future, reports_source: bool = False):
+    def __init__(self, op: str, outputs: list, submitted: concurrent.futures.Future, reports_source: bool = False,
+                 label: str | None = None):
         super().__init__()
         self.op = op
+        self.label = label or f"wanlink {op}"  # what error messages call it: op, sequence, group
         self._outputs = outputs
         self._reports_source = reports_source
         self._source = -1
@@ -40,7 +42,7 @@ class WanlinkWork(Work):
                 self._source = result
         except BaseException as error:  # noqa: BLE001 - delivered to the waiter
             if isinstance(error, concurrent.futures.CancelledError):
-                error = RuntimeError(f"wanlink {self.op} was cancelled")
+                error = RuntimeError(f"{self.label} was cancelled")
             self._error = error
         self._finished.set()
         _completions.submit(self._complete_future)
@@ -52,10 +54,15 @@ class WanlinkWork(Work):
             self._future.set_result(self._outputs)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        """Block until done; re-raise the collective's error; DeadlineExceeded after ``timeout``."""
+        """Block until done; re-raise the collective's error; DeadlineExceeded after ``timeout``.
+
+        As torch's ``Work.wait``, no timeout or a zero one waits for as long as the collective runs
+        (the collective's own timeout bounds that).
+        """
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
         if not self._finished.wait(seconds if seconds and seconds > 0 else None):
-            raise DeadlineExceeded(f"wanlink {self.op}: Work.wait timed out after {seconds} s")
+            raise DeadlineExceeded(f"{self.label}: Work.wait timed out after {seconds:g} s "
+                                   f"(the collective goes on, bounded by its own timeout)")
         if self._error is not None:
             raise self._error
         return True

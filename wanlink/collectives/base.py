@@ -60,11 +60,6 @@ def split(tensor: torch.Tensor, pieces: int) -> list[torch.Tensor]:
     return [tensor[start:stop] for start, stop in piece_bounds(tensor.numel(), pieces)]
 
 
-def split_even(tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """Views of a 1-D tensor as ``parts`` nearly equal segments (the ring's per-rank segments)."""
-    return split(tensor, parts)
-
-
 async def gather_all(awaitables: Sequence[Awaitable]) -> None:
     """Await all; on the first failure cancel the rest and re-raise it (no orphaned tasks)."""
     tasks = [asyncio.ensure_future(item) for item in awaitables]

@@ -138,7 +138,11 @@ async def monitored_barrier(comm: Comm, seconds: float, wait_all_ranks: bool) ->
     token = torch.ones(1, dtype=torch.uint8)
     if comm.rank != 0:
         await comm.send(0, token)
-        await comm.recv(0, torch.empty(1, dtype=torch.uint8))
+        try:
+            await asyncio.wait_for(comm.recv(0, torch.empty(1, dtype=torch.uint8)), seconds)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"timed out after {seconds:g} s waiting for rank 0 to release it "
+                                   f"(rank 0 waits for every rank)") from None
         return
     arrivals = {peer: asyncio.ensure_future(comm.recv(peer, torch.empty(1, dtype=torch.uint8)))
                 for peer in range(1, comm.size)}
@@ -154,10 +158,9 @@ async def monitored_barrier(comm: Comm, seconds: float, wait_all_ranks: bool) ->
     if failed:
         shown = sorted(failed) if wait_all_ranks else sorted(failed)[:1]
         late = f"; rank(s) {missing} did not reach it within {seconds:g} s" if wait_all_ranks and missing else ""
-        raise PeerLost(f"wanlink monitored_barrier: the link to rank(s) {shown} failed "
+        raise PeerLost(f"the link to rank(s) {shown} failed "
                        f"({failed[shown[0]]}){late}") from failed[shown[0]]
     if missing:
         shown = missing if wait_all_ranks else missing[:1]
-        raise DeadlineExceeded(f"wanlink monitored_barrier timed out after {seconds:g} s: "
-                               f"rank(s) {shown} did not reach the barrier")
+        raise DeadlineExceeded(f"timed out after {seconds:g} s: rank(s) {shown} did not reach the barrier")
     await gather_all([comm.send(peer, token) for peer in range(1, comm.size)])

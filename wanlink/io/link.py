@@ -4,20 +4,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import random
 import socket
 
-from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
+from wanlink.errors import (
+    ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, ServerBusy, WanlinkError,
+)
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly, tcp_bytes_acked,
-    unix_address,
+    close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly,
+    tcp_bytes_acked, tcp_rtt_s, unix_address,
 )
 from wanlink.io.stream import Stream
-from wanlink.proto.control import pack_message, unpack_message
-from wanlink.proto.frames import PING_FRAME, Header, control_header
+from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
+from wanlink.proto.flow import SendFlow, eager_window
+from wanlink.proto.frames import (
+    PING_FRAME, FrameType, Header, announce_frame, control_header, credit_frame, grant_frame,
+)
 from wanlink.proto.handshake import ClientHandshake, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
+from wanlink.proto.seal import stream_keys
 from wanlink.probe.rate import DeliveryRateEstimator
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
@@ -28,6 +35,8 @@ LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
 There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; elsewhere the probe
 picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
+ABORT_GRACE_S = 1.0  # how long a failing link tries to deliver its ABORT before closing
+BUSY_BACKOFF_S = (0.02, 1.0)  # a stream the server refused BUSY retries after 20 ms, doubling up to 1 s (jittered)
 _INT64 = (-(2**63), 2**63 - 1)
 _LINK_FAILED = object()  # queued to wake control readers when the link fails
 
@@ -68,7 +77,8 @@ class Link:
 
     def __init__(self, socks: list[socket.socket], *, peer: str, link_id: bytes, peer_meta: dict | None = None,
                  limits: Limits = DEFAULT_LIMITS, chunk_size: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 compress: bool = False, checksum: bool = False):
+                 compress: bool = False, checksum: bool = False, keys: list | None = None):
+        """``keys``: per stream, the (send, receive) keys its handshake derived (``secure=True``)."""
         if not socks:
             raise ConfigError("a link needs at least one stream")
         if timeout <= 0:
@@ -76,6 +86,7 @@ class Link:
         self.peer = peer
         self.link_id = link_id
         self.peer_meta = peer_meta or {}
+        self.labels: dict = {}  # what the layers above say about this link (rank, site), shown by stats()
         self.limits = limits
         if chunk_size is None and all(is_local_socket(sock) for sock in socks):
             chunk_size = LOOPBACK_CHUNK_SIZE
@@ -91,7 +102,9 @@ class Link:
         self.requeued_chunks = 0
         self.duplicate_acks = 0
         self.loop = asyncio.get_running_loop()
-        self._streams = [Stream(self, sock, index) for index, sock in enumerate(socks)]
+        keys = keys or [None] * len(socks)
+        self.secure = all(key is not None for key in keys)
+        self._streams = [Stream(self, sock, index, keys[index]) for index, sock in enumerate(socks)]
         self._outgoing: dict[tuple[int, int], tuple[OutgoingTransfer, asyncio.Future]] = {}
         self._next_send_seq: dict[int, int] = {}
         self._recv_waiters: dict[Incoming, asyncio.Future] = {}
@@ -101,6 +114,10 @@ class Link:
         self._wake_start = 0
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
+        self._failure_callbacks: list = []
+        self.flow = SendFlow(max_grants=limits.max_pending_transfers)  # what we may send (peer's credit, grants)
+        self._credit_granted = limits.max_unexpected_bytes  # cumulative eager credit we gave the peer
+        self._rtt_s: float | None = None  # smallest kernel RTT over the streams (TCP only)
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
         self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
 
@@ -111,6 +128,7 @@ class Link:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Link":
+        self._queue_frame(credit_frame(self._credit_granted))  # advertise our staging budget
         for stream in self._streams:
             stream.start()
         self._watchdog = self.loop.create_task(self._watch(), name=f"wanlink-watchdog-{self.name}")
@@ -128,6 +146,7 @@ class Link:
         self._stop_watchdog()
         await asyncio.gather(*(stream.close(grace) for stream in self._streams))
         registry.unregister(self)
+        self._release()
 
     async def __aenter__(self):
         return self
@@ -156,28 +175,35 @@ class Link:
         """
         view = byte_view(buffer)
         _check_tag(tag, allow_discard=True)
-        self._raise_if_failed()
+        self._raise_if_failed(f"send on tag {tag}: 0 of {len(view)} bytes acknowledged")
         self.limits.check_outgoing("max_transfer_size", len(view), f"send on tag {tag}")
         seq = self._next_send_seq.get(tag, 0)
         self._next_send_seq[tag] = seq + 1
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
         done = self.loop.create_future()
         self._outgoing[(tag, seq)] = (transfer, done)
-        for chunk in transfer.chunks:
-            self.queue.push(chunk)
-        self._wake_writers()
+        if tag == PROBE_DISCARD_TAG:  # dropped by the peer: no flow control
+            self._queue_chunks([(chunk, False) for chunk in transfer.chunks])
+        else:
+            released, announce = self.flow.start(tag, seq, [(chunk, len(chunk.view)) for chunk in transfer.chunks],
+                                                 self.eager_window())
+            if announce:
+                self._queue_frame(announce_frame(tag, seq, transfer.total))
+            self._queue_chunks(released)
         await asyncio.shield(done)
 
     async def recv_into(self, buffer, *, tag: int) -> int:
         """Receive the next message on ``tag`` into ``buffer`` (exactly its size); returns its size."""
         view = byte_view(buffer, writable=True)
         _check_tag(tag)
-        self._raise_if_failed()
+        self._raise_if_failed(f"recv on tag {tag}: 0 of {len(view)} bytes received")
         entry = self.reassembler.post(tag, view)
+        self._return_credit()
         if entry.done:
             if entry.error is not None:
                 raise entry.error
             return entry.total
+        self._queue_frame(grant_frame(tag, entry.seq))
         waiter = self.loop.create_future()
         self._recv_waiters[entry] = waiter
         try:
@@ -197,7 +223,7 @@ class Link:
         receiver may claim it first (check ``message_started`` again before ``recv_into``)."""
         _check_tag(tag)
         while not self.reassembler.next_started(tag):
-            self._raise_if_failed()
+            self._raise_if_failed(f"waiting for a message on tag {tag}")
             waiter = self.loop.create_future()
             waiters = self._start_waiters.setdefault(tag, [])
             waiters.append(waiter)
@@ -210,13 +236,12 @@ class Link:
                         del self._start_waiters[tag]
                 raise
 
-    async def send_control(self, message) -> None:
-        """Send one small msgpack-able control message (ordered per stream, not across)."""
-        self._raise_if_failed()
+    def send_control(self, message) -> None:
+        """Queue one small msgpack-able control message (ordered per stream, not across); returns at once."""
+        self._raise_if_failed("control message send")
         payload = pack_message(message)
         self.limits.check_outgoing("max_control_size", len(payload), "outgoing control message")
-        stream = min((s for s in self._streams if s.alive), key=lambda s: len(s.control))
-        stream.queue_control(control_header(len(payload)) + payload)
+        self._queue_frame(control_header(len(payload)) + payload)
 
     async def recv_control(self):
         """The next control message the peer sent."""
@@ -233,13 +258,12 @@ class Link:
             return self.reassembler.scratch_view(header.raw_len)
         view = self.reassembler.place(header)
         if self._start_waiters:
-            for waiter in self._start_waiters.pop(header.tag, ()):
-                if not waiter.done():
-                    waiter.set_result(None)
+            self._wake_start_waiters(header.tag)
         return view
 
     def chunk_received(self, header: Header) -> None:
         entry = self.reassembler.chunk_done(header)
+        self._return_credit()
         if entry is None:
             return
         waiter = self._recv_waiters.pop(entry, None)
@@ -272,6 +296,25 @@ class Link:
         else:
             self.duplicate_acks += 1
 
+    def flow_received(self, header: Header) -> None:
+        """A GRANT or CREDIT for what we send, or an ANNOUNCE of a message waiting for our grant."""
+        if header.type is FrameType.CREDIT:
+            self._queue_chunks(self.flow.on_credit(header.total))
+            return
+        if header.tag < 0:
+            raise RemoteProtocolError(f"{header.type.name} on reserved tag {header.tag}")
+        if header.type is FrameType.GRANT:
+            started = header.seq < self._next_send_seq.get(header.tag, 0)
+            self._queue_chunks(self.flow.on_grant(header.tag, header.seq, started))
+        else:
+            self.reassembler.announce(header)
+            self._wake_start_waiters(header.tag)
+
+    def abort_received(self, payload: bytes) -> None:
+        """The peer is failing the link and said why."""
+        code, text = unpack_abort(payload)
+        self.fail(PeerLost(f"{self.peer} failed the link ({code}): {text}"))
+
     def control_received(self, payload: bytes) -> None:
         message = unpack_message(payload)
         try:
@@ -295,8 +338,9 @@ class Link:
         for chunk in unacked:
             self.queue.push(chunk)
         self.requeued_chunks += len(unacked)
+        self._repeat_flow_frames()
         alive = self.streams_alive
-        log.warning("wanlink: stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
+        log.warning("stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
                     stream.index, self.name, exc, len(unacked), alive)
         if alive == 0:
             reason = exc if isinstance(exc, PeerLost) else PeerLost(f"all {self.streams} streams died; last: {exc}")
@@ -305,22 +349,48 @@ class Link:
             self._wake_writers()
 
     def fail(self, exc: BaseException) -> None:
-        """Fail the link: close every stream and fail every pending operation with PeerLost."""
+        """Fail the link: close every stream and fail every pending operation with PeerLost.
+
+        Unless the peer is gone already (PeerLost), it is told why first: an ABORT frame with a
+        reason code and the error's text, so its error names what ours does (tag, bytes, limit).
+        """
         if self.error is not None:
             return
-        self.error = exc
         if not self._closing and not self.peer_closed:
-            log.warning("wanlink: link %s failed: %s", self.name, exc)
-        for stream in self._streams:
-            stream.abort()
+            log.warning("link %s failed: %s", self.name, exc, exc_info=None if isinstance(exc, WanlinkError) else exc)
+        self.error = exc.with_traceback(None)  # its frames would hold this link (and staged chunks) in a cycle
+        if isinstance(exc, PeerLost):
+            for stream in self._streams:
+                stream.abort()
+        else:
+            frame = abort_frame(exc)
+            for stream in self._streams:
+                stream.abort_saying(frame, ABORT_GRACE_S)
         self._stop_watchdog()
         self._fail_waiters(exc)
         registry.unregister(self)
+        callbacks, self._failure_callbacks = self._failure_callbacks, []
+        for callback in callbacks:
+            callback(self)
+        if not self._closing:  # (close() releases once its streams said goodbye)
+            self._release()
+
+    def add_failure_callback(self, callback) -> None:
+        """Call ``callback(link)`` once if the link fails (not when closed locally); e.g. to drop it."""
+        self._failure_callbacks.append(callback)
 
     # -- internals --------------------------------------------------------------------------------
-    def _raise_if_failed(self) -> None:
+    def _release(self) -> None:
+        """The link is finished: free staged chunks at once and drop the references from its streams
+        back to it, so that it is freed without waiting for Python's cycle collector."""
+        self.reassembler.clear()
+        self._failure_callbacks = []
+        for stream in self._streams:
+            stream.detach()
+
+    def _raise_if_failed(self, operation: str) -> None:
         if self.error is not None:
-            raise self._lost(self.error, "new operation")
+            raise self._lost(self.error, operation)
 
     def _lost(self, cause: BaseException, what: str) -> PeerLost:
         error = PeerLost(f"link to {self.peer} failed ({type(cause).__name__}: {cause}); {what}")
@@ -329,6 +399,7 @@ class Link:
 
     def _fail_waiters(self, cause: BaseException) -> None:
         self.queue.drain()
+        self.flow.forget()
         for (tag, _seq), (transfer, done) in self._outgoing.items():
             if not done.done():
                 done.set_exception(self._lost(
@@ -348,6 +419,45 @@ class Link:
         if not self._controls.full():
             self._controls.put_nowait(_LINK_FAILED)
 
+    def eager_window(self) -> int:
+        """Bytes of a new message sent before the peer grants it: a bandwidth-delay product of the
+        acknowledged rate and the kernel's RTT (see ``wanlink.proto.flow.eager_window``)."""
+        return eager_window(self.delivery.estimate(), self._rtt_s, self.flow.budget)
+
+    def _queue_chunks(self, released: list) -> None:
+        """Queue the chunks flow control released, marking those sent on eager credit."""
+        if not released:
+            return
+        for chunk, eager in released:
+            chunk.eager = eager
+            self.queue.push(chunk)
+        self._wake_writers()
+
+    def _queue_frame(self, frame: bytes) -> None:
+        """Queue a control or flow frame on the live stream with the fewest waiting (none left: drop it)."""
+        alive = [s for s in self._streams if s.alive]
+        if alive:
+            min(alive, key=lambda s: len(s.control)).queue_control(frame)
+
+    def _return_credit(self) -> None:
+        due = self.reassembler.take_credit()
+        if due:
+            self._credit_granted += due
+            self._queue_frame(credit_frame(self._credit_granted))
+
+    def _repeat_flow_frames(self) -> None:
+        """A stream died, maybe with flow frames unsent: say again what the peer must know (idempotent)."""
+        self._queue_frame(credit_frame(self._credit_granted))
+        for entry in self.reassembler.pending():
+            self._queue_frame(grant_frame(entry.tag, entry.seq))
+        for tag, seq, total in self.flow.waiting_announced():
+            self._queue_frame(announce_frame(tag, seq, total))
+
+    def _wake_start_waiters(self, tag: int) -> None:
+        for waiter in self._start_waiters.pop(tag, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _wake_writers(self) -> None:
         """Wake every idle writer, starting one further each time so small messages spread over streams."""
         count = len(self._streams)
@@ -360,6 +470,7 @@ class Link:
     def _stop_watchdog(self) -> None:
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
             self._watchdog.cancel()
+            self._watchdog = None  # its CancelledError's traceback holds this link
 
     async def _watch(self) -> None:
         """Ping idle streams, drop silent ones, sample delivery rates."""
@@ -377,6 +488,7 @@ class Link:
                     stream.queue_control(PING_FRAME)
             if self.error is not None:
                 return
+            self._rtt_s = min(filter(None, (tcp_rtt_s(s.sock) for s in self._streams if s.alive)), default=None)
             self._sample_rates(now)
 
     def _sample_rates(self, now: float) -> None:
@@ -435,13 +547,34 @@ class Link:
             "duplicate_chunks": self.reassembler.duplicate_chunks,
             "duplicate_acks": self.duplicate_acks,
             "unexpected_bytes_held": self.reassembler.unexpected_bytes,
+            "peak_unexpected_bytes": self.reassembler.peak_unexpected_bytes,
+            "eager_window": self.eager_window(),
             "recent_send_bps": self._recent_rate_bps(1),
             "recent_recv_bps": self._recent_rate_bps(2),
             "estimated_bps": 8 * (self.delivery.estimate() or 0.0),
             "chunk_size": self.chunk_size,
             "congestion": congestion,
+            **self.labels,
             "error": None if self.error is None else str(self.error),
         }
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and return once every one has ended; a cancellation of the caller meanwhile
+    is re-raised only then."""
+    for task in tasks:
+        task.cancel()
+    cancelled = False
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            cancelled = True
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: a stream's own failure is already the reason we are here
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def check_stream_count(streams) -> int:
@@ -454,25 +587,45 @@ def check_stream_count(streams) -> int:
 async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, meta: dict | None = None,
                     timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None, congestion: str | None = None,
                     sock_buffer: int | None = None, compress: bool = False, checksum: bool = False,
-                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None) -> Link:
+                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None, secure: bool = False) -> Link:
     """Open a Link of exactly ``streams`` TCP streams to a wanlink server and authenticate each one.
 
     Everything is resolved already (``wanlink.connect`` probes the path and reads the settings):
     ``chunk_size`` None is 4 MiB over loopback or Unix sockets, else the transport's default.
-    ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
+    ``timeout`` bounds the connection set-up (a stream the server refuses BUSY is retried with
+    backoff meanwhile) and is the link's silence timeout afterwards.
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
-    namespace only); the streams are then Unix sockets.
+    namespace only); the streams are then Unix sockets. ``secure``: every frame encrypted and
+    authenticated (AES-256-GCM, keys from the secret and each stream's handshake).
     """
     count = check_stream_count(streams)
     chunk_size_from(chunk_size)  # a bad size fails before connecting
     key = normalize_secret(secret)
+    if secure and not key:
+        raise ConfigError("secure=True needs a shared secret (WANLINK_SECRET): keys derive from it")
     if not key:
-        log.warning("wanlink: connecting to %s:%s without authentication (empty secret)", host, port)
+        log.warning("connecting to %s:%s without authentication (empty secret)", host, port)
     loop = asyncio.get_running_loop()
     link_id = os.urandom(16)
     socks: list[socket.socket | None] = [None] * count
+    keys: list[tuple[bytes, bytes] | None] = [None] * count
+
+    busy_refusals = 0
 
     async def open_stream(index: int) -> None:
+        nonlocal busy_refusals
+        delay = BUSY_BACKOFF_S[0]
+        while True:
+            try:
+                return await attempt_stream(index)
+            except ServerBusy:
+                busy_refusals += 1
+                close_quietly(socks[index])
+                socks[index] = None
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(2 * delay, BUSY_BACKOFF_S[1])
+
+    async def attempt_stream(index: int) -> None:
         if unix_name is not None:
             family, proto, address, peer_host = socket.AF_UNIX, 0, unix_address(unix_name), None
         else:
@@ -483,25 +636,32 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
         socks[index] = sock
         configure_stream_socket(sock, congestion=congestion, buffer_bytes=sock_buffer, peer_host=peer_host)
         await loop.sock_connect(sock, address)
-        handshake = ClientHandshake(key, link_id, index, count, meta, limits=limits)
+        handshake = ClientHandshake(key, link_id, index, count, meta, limits=limits, secure=secure)
         await loop.sock_sendall(sock, handshake.hello())
         while handshake.bytes_wanted():
             reply = handshake.receive(await recv_exactly(loop, sock, handshake.bytes_wanted()))
             if reply:
                 await loop.sock_sendall(sock, reply)
+        if secure:
+            keys[index] = stream_keys(key, *handshake.transcript(), client=True)
 
+    tasks = [loop.create_task(open_stream(i), name=f"wanlink-connect-{i}") for i in range(count)]
     try:
         async with asyncio.timeout(timeout):
-            await asyncio.gather(*(open_stream(i) for i in range(count)))
+            await asyncio.gather(*tasks)
     except BaseException as exc:
+        # the other streams may still wait on their sockets: closing a socket under a pending read
+        # breaks the event loop's bookkeeping for its descriptor, so end every task first
+        await cancel_and_wait(tasks)
         for sock in socks:
             if sock is not None:
                 close_quietly(sock)
         if isinstance(exc, TimeoutError) and not isinstance(exc, DeadlineExceeded):
-            raise DeadlineExceeded(f"connecting to {host}:{port} took more than {timeout:g} s") from None
+            busy = f" (the server answered BUSY {busy_refusals} times)" if busy_refusals else ""
+            raise DeadlineExceeded(f"connecting to {host}:{port} took more than {timeout:g} s{busy}") from None
         if isinstance(exc, OSError) and not isinstance(exc, WanlinkError):
             raise PeerLost(f"cannot connect to {host}:{port}: {exc}") from exc
         raise
     peer = f"{host}:{port}" if unix_name is None else f"unix:{unix_name}"
     return Link(socks, peer=peer, link_id=link_id, limits=limits, chunk_size=chunk_size,
-                timeout=timeout, compress=compress, checksum=checksum).start()
+                timeout=timeout, compress=compress, checksum=checksum, keys=keys).start()

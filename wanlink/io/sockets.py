@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -44,14 +45,19 @@ def configure_stream_socket(sock: socket.socket, *, congestion: str | None = Non
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         remote = not is_loopback(peer_host)
         if congestion is not None or remote:
-            _set_congestion(sock, congestion)
+            _set_congestion_or_default(sock, congestion)
         if remote and hasattr(socket, "TCP_NOTSENT_LOWAT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, NOTSENT_LOWAT_BYTES)
     if buffer_bytes is not None:
-        if buffer_bytes <= 0:
-            raise ConfigError(f"socket buffer size must be positive, got {buffer_bytes}")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+        set_buffer_sizes(sock, buffer_bytes)
+
+
+def set_buffer_sizes(sock: socket.socket, nbytes: int) -> None:
+    """Fixed SO_SNDBUF and SO_RCVBUF (this turns the kernel's autotuning off for the socket)."""
+    if nbytes <= 0:
+        raise ConfigError(f"socket buffer size must be positive, got {nbytes}")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
 
 
 def same_host_key() -> str:
@@ -101,16 +107,17 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
-def _set_congestion(sock: socket.socket, congestion: str | None) -> None:
+def _set_congestion_or_default(sock: socket.socket, congestion: str | None) -> None:
+    if congestion is not None:
+        set_congestion(sock, congestion)
+    elif hasattr(socket, "TCP_CONGESTION") and DEFAULT_CONGESTION in available_congestion_controls():
+        set_congestion(sock, DEFAULT_CONGESTION)
+
+
+def set_congestion(sock: socket.socket, name: str) -> None:
+    """Use TCP congestion control ``name`` on ``sock``; ConfigError naming what the kernel offers if it refuses."""
     if not hasattr(socket, "TCP_CONGESTION"):
-        if congestion is not None:
-            raise ConfigError("this platform cannot choose a TCP congestion control")
-        return
-    name = congestion
-    if name is None:
-        if DEFAULT_CONGESTION not in available_congestion_controls():
-            return
-        name = DEFAULT_CONGESTION
+        raise ConfigError("this platform cannot choose a TCP congestion control")
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
     except OSError as exc:
@@ -118,10 +125,102 @@ def _set_congestion(sock: socket.socket, congestion: str | None) -> None:
                           f"(kernel offers {available_congestion_controls()}): {exc}") from None
 
 
-_TCP_INFO_BYTES_ACKED = struct.Struct("=Q")
-_TCP_INFO_BYTES_ACKED_OFFSET = 120  # struct tcp_info: tcpi_bytes_acked (Linux 4.6 and later)
-_TCP_INFO_U32 = struct.Struct("=I")
-_TCP_INFO_SND_MSS_OFFSET, _TCP_INFO_SACKED_OFFSET = 16, 28  # tcpi_snd_mss, tcpi_sacked (segments)
+# Linux ``struct tcp_info`` (include/uapi/linux/tcp.h), every field in order with its C type, so
+# each offset follows from the ones before it (all fields are naturally aligned: no padding).
+# The kernel copies min(requested, its own size) bytes: a field past what it returned is one this
+# kernel does not have, and reads as None.
+_TCP_INFO_LAYOUT: tuple[tuple[str, str], ...] = (
+    ("state", "B"), ("ca_state", "B"), ("retransmits", "B"), ("probes", "B"), ("backoff", "B"),
+    ("options", "B"), ("wscale", "B"),  # snd_wscale:4, rcv_wscale:4
+    ("app_limited_flags", "B"),  # delivery_rate_app_limited:1, fastopen_client_fail:2
+    ("rto", "I"), ("ato", "I"), ("snd_mss", "I"), ("rcv_mss", "I"),
+    ("unacked", "I"), ("sacked", "I"), ("lost", "I"), ("retrans", "I"), ("fackets", "I"),
+    ("last_data_sent", "I"), ("last_ack_sent", "I"), ("last_data_recv", "I"), ("last_ack_recv", "I"),
+    ("pmtu", "I"), ("rcv_ssthresh", "I"), ("rtt", "I"), ("rttvar", "I"), ("snd_ssthresh", "I"),
+    ("snd_cwnd", "I"), ("advmss", "I"), ("reordering", "I"), ("rcv_rtt", "I"), ("rcv_space", "I"),
+    ("total_retrans", "I"),  # 104 bytes up to here: every Linux since 2.6
+    ("pacing_rate", "Q"), ("max_pacing_rate", "Q"),  # 3.15
+    ("bytes_acked", "Q"), ("bytes_received", "Q"), ("segs_out", "I"), ("segs_in", "I"),  # 4.1-4.2
+    ("notsent_bytes", "I"), ("min_rtt", "I"), ("data_segs_in", "I"), ("data_segs_out", "I"),  # 4.6
+    ("delivery_rate", "Q"),  # 4.9
+    ("busy_time", "Q"), ("rwnd_limited", "Q"), ("sndbuf_limited", "Q"),  # 4.10
+    ("delivered", "I"), ("delivered_ce", "I"),  # 4.18
+    ("bytes_sent", "Q"), ("bytes_retrans", "Q"), ("dsack_dups", "I"), ("reord_seen", "I"),  # 4.19
+    ("rcv_ooopack", "I"), ("snd_wnd", "I"),  # 5.4
+)
+
+
+def _tcp_info_offsets() -> dict[str, tuple[int, struct.Struct]]:
+    offsets, offset = {}, 0
+    for name, code in _TCP_INFO_LAYOUT:
+        field = struct.Struct("=" + code)
+        offsets[name] = (offset, field)
+        offset += field.size
+    return offsets
+
+
+_TCP_INFO_OFFSETS = _tcp_info_offsets()
+TCP_INFO_BYTES = sum(struct.calcsize("=" + code) for _name, code in _TCP_INFO_LAYOUT)
+_TCP_INFO_BASE_BYTES = _TCP_INFO_OFFSETS["total_retrans"][0] + 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TcpInfo:
+    """The fields of Linux TCP_INFO that wanlink reads (names as in ``struct tcp_info``, less ``tcpi_``).
+
+    Times are microseconds, windows and counters as the kernel keeps them (``snd_cwnd`` in
+    segments: ``cwnd_bytes`` is cwnd x MSS). The fields after ``total_retrans`` are None on
+    kernels older than the one that added them (``bytes_acked`` 4.1, ``min_rtt`` 4.6,
+    ``delivery_rate`` 4.9, ``bytes_sent`` 4.19, ``snd_wnd`` 5.4).
+    """
+
+    snd_mss: int
+    unacked: int  # segments in flight
+    sacked: int  # segments selectively acknowledged beyond a hole
+    lost: int
+    retrans: int  # segments retransmitted and not yet acknowledged
+    pmtu: int
+    rtt: int  # smoothed round-trip time
+    rttvar: int
+    snd_ssthresh: int
+    snd_cwnd: int  # segments
+    total_retrans: int  # segments retransmitted over the connection's life
+    pacing_rate: int | None = None  # bytes per second
+    bytes_acked: int | None = None  # payload bytes cumulatively acknowledged by the peer
+    bytes_received: int | None = None
+    notsent_bytes: int | None = None
+    min_rtt: int | None = None
+    delivery_rate: int | None = None  # bytes per second
+    bytes_sent: int | None = None
+    bytes_retrans: int | None = None
+    snd_wnd: int | None = None  # the peer's advertised receive window, scaled, in bytes
+
+    @property
+    def cwnd_bytes(self) -> int:
+        return self.snd_cwnd * self.snd_mss
+
+
+def parse_tcp_info(raw: bytes) -> TcpInfo | None:
+    """A :class:`TcpInfo` from the bytes the kernel returned; None when shorter than the 2.6 struct."""
+    if len(raw) < _TCP_INFO_BASE_BYTES:
+        return None
+    values = {}
+    for item in dataclasses.fields(TcpInfo):
+        offset, field = _TCP_INFO_OFFSETS[item.name]
+        if offset + field.size <= len(raw):
+            values[item.name] = field.unpack_from(raw, offset)[0]
+    return TcpInfo(**values)
+
+
+def tcp_info(sock: socket.socket) -> TcpInfo | None:
+    """This TCP socket's TCP_INFO; None where the platform has none or the socket is closed."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+    except OSError:
+        return None
+    return parse_tcp_info(raw)
 
 
 def tcp_bytes_acked(sock: socket.socket) -> int | None:
@@ -132,23 +231,29 @@ def tcp_bytes_acked(sock: socket.socket) -> int | None:
     behind it at once, and short windows after a loss overstated rates (2.19 Gbit/s measured on
     a 1.93 Gbit/s path with 32 streams and 0.1 % loss).
     """
-    if not hasattr(socket, "TCP_INFO"):
+    info = tcp_info(sock)
+    if info is None or info.bytes_acked is None:
         return None
-    end = _TCP_INFO_BYTES_ACKED_OFFSET + _TCP_INFO_BYTES_ACKED.size
+    return info.bytes_acked + info.sacked * info.snd_mss
+
+
+def congestion_of(sock: socket.socket) -> str | None:
+    """The socket's TCP congestion control; None where the platform or the socket cannot say."""
     try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, end)
-    except OSError:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+    except (OSError, AttributeError):
         return None
-    if len(raw) < end:
-        return None
-    sacked = _TCP_INFO_U32.unpack_from(raw, _TCP_INFO_SACKED_OFFSET)[0]
-    mss = _TCP_INFO_U32.unpack_from(raw, _TCP_INFO_SND_MSS_OFFSET)[0]
-    return _TCP_INFO_BYTES_ACKED.unpack_from(raw, _TCP_INFO_BYTES_ACKED_OFFSET)[0] + sacked * mss
+    return raw.split(b"\0", 1)[0].decode() or None
 
 
-def congestion_of(sock: socket.socket) -> str:
-    raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
-    return raw.split(b"\0", 1)[0].decode()
+def tcp_rtt_s(sock: socket.socket) -> float | None:
+    """The kernel's smoothed round-trip time of this TCP socket in seconds; None where unknown."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    info = tcp_info(sock)
+    if info is None or not info.rtt:
+        return None
+    return info.rtt / 1e6
 
 
 async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int) -> bytes:

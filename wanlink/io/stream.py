@@ -8,9 +8,10 @@ import zlib
 from wanlink.errors import PeerLost
 from wanlink.io.sockets import close_quietly, log
 from wanlink.proto.frames import (
-    CLOSE_FRAME, FLAG_CHECKSUM, FLAG_LZ4, AckReceived, ChunkReceived, CloseReceived, ControlReceived, FrameDecoder,
-    PingReceived, ack_header, compress_chunk, data_header,
+    CLOSE_FRAME, FLAG_CHECKSUM, FLAG_EAGER, FLAG_LZ4, AbortReceived, AckReceived, ChunkReceived, CloseReceived,
+    ControlReceived, FlowReceived, FrameDecoder, PingReceived, ack_header, compress_chunk, data_header,
 )
+from wanlink.proto.seal import FrameOpener, FrameSealer
 from wanlink.sched.chunking import Chunk
 
 MAX_FRAMES_PER_SEND = 256  # bounded by IOV_MAX (1024) with room to spare
@@ -30,7 +31,8 @@ class Stream:
     carries more chunks.
     """
 
-    def __init__(self, link, sock: socket.socket, index: int):
+    def __init__(self, link, sock: socket.socket, index: int, keys: tuple[bytes, bytes] | None = None):
+        """``keys``: (send, receive) keys of a sealed stream (``secure=True``), else None."""
         self.link = link
         self.sock = sock
         self.index = index
@@ -39,7 +41,11 @@ class Stream:
         self.in_flight: dict[tuple[int, int, int], Chunk] = {}
         self.control: list[bytes] = []
         self.wake = asyncio.Event()
-        self.decoder = FrameDecoder(link.place, link.limits)
+        self.decoder = FrameDecoder(link.place, link.limits)  # (the link breaks these cycles: detach())
+        self._sealer = None
+        if keys is not None:  # same interface: the reader never knows
+            self._sealer = FrameSealer(keys[0])
+            self.decoder = FrameOpener(self.decoder, keys[1], f"stream {index} of link {link.name}")
         loop = asyncio.get_running_loop()
         self.loop = loop
         self.last_rx = self.last_tx = loop.time()
@@ -49,6 +55,7 @@ class Stream:
         self._reading = False
         self._read_done: asyncio.Future = loop.create_future()  # set once the reader stopped
         self._writable: asyncio.Future | None = None  # awaited by the writer while the socket is full
+        self._goodbye: asyncio.Task | None = None  # delivering an ABORT before the socket closes
 
     def start(self) -> None:
         self.loop.add_reader(self.sock, self._on_readable)
@@ -69,10 +76,18 @@ class Stream:
 
     def _failed(self, exc: BaseException) -> None:
         """Socket errors lose this stream (its chunks are re-sent); anything else fails the link."""
+        link = self.link
+        if link is None:  # the link is finished already
+            return
         if isinstance(exc, (ConnectionError, OSError)):
-            self.link.stream_failed(self, exc)
+            link.stream_failed(self, exc)
         else:  # protocol errors and bugs fail the link, never the loop
-            self.link.fail(exc)
+            link.fail(exc)
+
+    def detach(self) -> None:
+        """Forget the (finished) link, so that nothing here keeps it alive (call once stopped)."""
+        self.link = None
+        self.decoder = None
 
     def _on_readable(self) -> None:
         """Receive until the socket is drained or the read budget is spent; dispatch every frame."""
@@ -93,6 +108,8 @@ class Stream:
                 self.bytes_received += n
                 for event in decoder.advance(n):
                     self._dispatch(event)
+                    if not self._reading:  # the link failed or closed meanwhile
+                        return
         except Exception as exc:  # noqa: BLE001 - see _failed
             self._stop_reading()
             self._failed(exc)
@@ -111,6 +128,10 @@ class Stream:
             self.queue_control(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
         elif type(event) is AckReceived:
             link.ack_received(self, event.header)
+        elif type(event) is FlowReceived:
+            link.flow_received(event.header)
+        elif type(event) is AbortReceived:
+            link.abort_received(event.payload)
         elif type(event) is ControlReceived:
             link.control_received(event.payload)
         elif type(event) is CloseReceived:
@@ -126,16 +147,17 @@ class Stream:
             self._read_done.set_result(None)
 
     async def _write_loop(self) -> None:
-        link = self.link
-        queue = link.queue
+        queue = self.link.queue  # (no local for the link: a cancelled writer's traceback would keep it alive)
         while True:
             if self.control:
                 frames, self.control = self.control[:MAX_FRAMES_PER_SEND], self.control[MAX_FRAMES_PER_SEND:]
+                if self._sealer is not None:
+                    frames = [self._sealer.seal_frame(frame) for frame in frames]
                 await self.send_frames(frames)
                 continue
             if self.closing:
                 return
-            chunk = None if link.peer_closed else queue.pop()  # a closing peer reads no more data
+            chunk = None if self.link.peer_closed else queue.pop()  # a closing peer reads no more data
             if chunk is not None:
                 if not chunk.acked:
                     await self._send_chunk(chunk)
@@ -149,7 +171,7 @@ class Stream:
         if self.link.send_log is not None:
             self.link.send_log.append((transfer.tag, transfer.seq, chunk.offset))
         payload = chunk.view
-        flags = 0
+        flags = FLAG_EAGER if chunk.eager else 0
         checksum = 0
         raw_len = len(payload)
         if self.link.checksum:
@@ -162,7 +184,8 @@ class Stream:
                 payload = packed
         header = data_header(transfer.tag, transfer.seq, transfer.total, chunk.offset, len(payload),
                              flags=flags, raw_len=raw_len, checksum=checksum)
-        await self.send_frames([header, payload])
+        parts = [header, payload] if self._sealer is None else self._sealer.seal_data(header, payload)
+        await self.send_frames(parts)
         self.chunks_sent += 1
 
     async def send_frames(self, parts: list) -> None:
@@ -221,12 +244,44 @@ class Stream:
         else:
             close_quietly(self.sock)
 
+    def abort_saying(self, frame: bytes, grace: float) -> None:
+        """Abort, but first send ``frame`` (after the frame in progress) within ``grace`` s.
+
+        Frames are no longer decoded; what the peer still sends is read and dropped until it
+        closes, so our close does not reset the connection before the peer read ``frame``.
+        """
+        if not self.alive or self._writer is None or self._writer.done():
+            self.abort()
+            return
+        self.alive = False
+        self.closing = True
+        self._stop_reading()
+        self.control = [frame]
+        self.wake.set()
+        self._goodbye = self.loop.create_task(self._say_goodbye(grace), name=f"wanlink-abort-{self.index}")
+
+    async def _say_goodbye(self, grace: float) -> None:
+        loop, sock = self.loop, self.sock
+        try:
+            async with asyncio.timeout(grace):
+                await asyncio.wait({self._writer})
+                sock.shutdown(socket.SHUT_WR)
+                scratch = bytearray(64 * 1024)
+                while await loop.sock_recv_into(sock, scratch):
+                    pass
+        except (TimeoutError, OSError):
+            pass
+        finally:
+            self.abort()
+
     async def close(self, grace: float) -> None:
         """Say goodbye within ``grace`` s, then abort.
 
         The writer finishes its frame and sends CLOSE; then our side is shut (FIN) and the reader
         drains until the peer closes too, so neither side resets a connection with unread bytes.
         """
+        if self._goodbye is not None:
+            await asyncio.gather(self._goodbye, return_exceptions=True)
         if self.alive and self._writer is not None:
             self.closing = True
             self.queue_control(CLOSE_FRAME)

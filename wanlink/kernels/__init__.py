@@ -27,10 +27,22 @@ FORCE_REFERENCE_VARIABLE = "WANLINK_PUREPYTHON"
 _REFERENCE_FORCED = from_env().pure_python  # read once, at import: this module is the kernels' edge
 
 
+def _should_have_compiled() -> bool:
+    """CPython on Linux or macOS: where ``pip install`` builds the kernels unless something went wrong."""
+    return sys.implementation.name == "cpython" and sys.platform in ("linux", "darwin")
+
+
 def _import_compiled() -> ModuleType | None:
     try:
         module = importlib.import_module("wanlink._kernels")
-    except ImportError:
+    except ImportError as exc:
+        if _should_have_compiled():
+            warnings.warn(
+                f"wanlink's compiled kernels are missing ({exc}); using the NumPy reference, 10-100x slower. "
+                "Reinstall with a C compiler and Cython available (`pip install -v` prints a line starting "
+                "'wanlink: compiled kernels' saying why they were skipped), or set "
+                f"{FORCE_REFERENCE_VARIABLE}=1 to choose the reference and silence this warning.",
+                RuntimeWarning, stacklevel=3)
         return None
     if getattr(module, "KERNEL_ABI", None) != reference.KERNEL_ABI:
         warnings.warn("wanlink._kernels is stale (kernel ABI mismatch); rebuild it. Using the NumPy reference.",

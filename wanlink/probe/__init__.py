@@ -2,9 +2,9 @@
 
 Pure decision logic, below the transport: ``StreamRamp`` (wanlink.probe.ramp), ``StepTiming`` and
 ``inflight_bytes_for`` (wanlink.probe.step), ``choose_chunk_size`` (wanlink.probe.chunk),
-``DeliveryRateEstimator`` (wanlink.probe.rate); plus the sans-I/O iperf3 control protocol
-(``wanlink.probe.iperf3``) and iperf3-style reports (``wanlink.probe.report``). Driving the ramp
-over real Links (``choose_streams``) is ``wanlink.endpoints``, above the transport.
+``DeliveryRateEstimator`` (wanlink.probe.rate). Driving the ramp over real Links
+(``choose_streams``) is ``wanlink.endpoints``, above the transport; the iperf3 protocol and
+reports are ``wanlink.iperf``.
 """
 from wanlink.probe.chunk import choose_chunk_size
 from wanlink.probe.ramp import ProbeResult, RampStep, StreamRamp

@@ -8,8 +8,11 @@ Every frame is a fixed 44-byte little-endian header, optionally followed by a pa
 ``(tag, seq)`` names one message (the seq-th message the sender sent on that tag), ``total`` is
 its size, and a DATA frame carries bytes ``[offset, offset + raw_len)`` of it, ``wire_len`` bytes
 on the wire (fewer when lz4-compressed). ACK frames echo a received chunk's coordinates with no
-payload. CONTROL frames carry one msgpack message. Everything is validated against Limits before a
-payload byte is accepted.
+payload. CONTROL frames carry one msgpack message. Flow control (``wanlink.proto.flow``) adds
+header-only frames: GRANT (tag, seq) from the receiver once that receive is posted, CREDIT
+(``total`` = eager bytes returned) and ANNOUNCE (tag, seq, total) from a sender that has a message
+but no credit to start it. ABORT carries a msgpack ``[code, text]``: why the sender is failing the
+link. Everything is validated against Limits before a payload byte is accepted.
 """
 from __future__ import annotations
 
@@ -32,17 +35,23 @@ class FrameType(enum.IntEnum):
     CONTROL = 3
     PING = 4
     CLOSE = 5
+    GRANT = 6
+    CREDIT = 7
+    ANNOUNCE = 8
+    ABORT = 9
 
 
 class Flags(enum.IntFlag):
     NONE = 0
     LZ4 = 1  # payload is an lz4 block of raw_len bytes
     CHECKSUM = 2  # checksum holds crc32 of the raw payload
+    EAGER = 4  # sent on the link's eager credit, before the receiver granted the message
 
 
-FLAG_LZ4, FLAG_CHECKSUM = int(Flags.LZ4), int(Flags.CHECKSUM)  # plain ints for the per-chunk path
-KNOWN_FLAGS = FLAG_LZ4 | FLAG_CHECKSUM
-_NO_PAYLOAD = frozenset({FrameType.ACK, FrameType.PING, FrameType.CLOSE})
+FLAG_LZ4, FLAG_CHECKSUM, FLAG_EAGER = int(Flags.LZ4), int(Flags.CHECKSUM), int(Flags.EAGER)  # plain ints, per chunk
+KNOWN_FLAGS = FLAG_LZ4 | FLAG_CHECKSUM | FLAG_EAGER
+_NO_PAYLOAD = frozenset({FrameType.ACK, FrameType.PING, FrameType.CLOSE, FrameType.GRANT, FrameType.CREDIT,
+                         FrameType.ANNOUNCE})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,8 +83,24 @@ def ack_header(tag: int, seq: int, total: int, offset: int, raw_len: int) -> byt
     return HEADER.pack(FrameType.ACK, 0, 0, tag, seq, total, offset, 0, raw_len, 0)
 
 
-def control_header(payload_len: int) -> bytes:
-    return HEADER.pack(FrameType.CONTROL, 0, 0, 0, 0, 0, 0, payload_len, payload_len, 0)
+def control_header(payload_len: int, frame_type: FrameType = FrameType.CONTROL) -> bytes:
+    """Header of a CONTROL (or ABORT) frame whose msgpack payload has ``payload_len`` bytes."""
+    return HEADER.pack(frame_type, 0, 0, 0, 0, 0, 0, payload_len, payload_len, 0)
+
+
+def grant_frame(tag: int, seq: int) -> bytes:
+    """The receive for message (tag, seq) is posted: send all of it."""
+    return HEADER.pack(FrameType.GRANT, 0, 0, tag, seq, 0, 0, 0, 0, 0)
+
+
+def credit_frame(nbytes: int) -> bytes:
+    """``nbytes`` more bytes of eager credit."""
+    return HEADER.pack(FrameType.CREDIT, 0, 0, 0, 0, nbytes, 0, 0, 0, 0)
+
+
+def announce_frame(tag: int, seq: int, total: int) -> bytes:
+    """Message (tag, seq) of ``total`` bytes waits for its grant (no credit to start it eagerly)."""
+    return HEADER.pack(FrameType.ANNOUNCE, 0, 0, tag, seq, total, 0, 0, 0, 0)
 
 
 PING_FRAME = HEADER.pack(FrameType.PING, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -93,8 +118,9 @@ def parse_header(raw: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> He
         raise RemoteProtocolError(f"reserved header field is {reserved}, must be 0")
     if flags & ~KNOWN_FLAGS:
         raise RemoteProtocolError(f"unknown frame flags 0x{flags:02x}")
-    if frame_type is FrameType.DATA:
+    if frame_type in (FrameType.DATA, FrameType.ANNOUNCE):
         limits.check("max_transfer_size", total, f"message tag={tag} seq={seq}")
+    if frame_type is FrameType.DATA:
         limits.check("max_frame_payload", raw_len, f"chunk of tag={tag} seq={seq}")
         limits.check("max_frame_payload", wire_len, f"chunk of tag={tag} seq={seq}")
         if offset + raw_len > total:
@@ -108,8 +134,8 @@ def parse_header(raw: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> He
             raise RemoteProtocolError(f"flags 0x{flags:02x} on a {frame_type.name} frame")
         if frame_type in _NO_PAYLOAD and wire_len:
             raise RemoteProtocolError(f"{frame_type.name} frame with a {wire_len}-byte payload")
-        if frame_type is FrameType.CONTROL:
-            limits.check("max_control_size", wire_len, "control message")
+        if frame_type in (FrameType.CONTROL, FrameType.ABORT):
+            limits.check("max_control_size", wire_len, f"{frame_type.name} message")
         if frame_type is FrameType.ACK and offset + raw_len > total:
             raise RemoteProtocolError(f"ack of [{offset}, {offset + raw_len}) outside a {total}-byte message")
     return Header(frame_type, flags, tag, seq, total, offset, wire_len, raw_len, checksum)
@@ -133,6 +159,20 @@ class ControlReceived:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class AbortReceived:
+    """The peer is failing the link; ``payload`` is its msgpack ``[code, text]``."""
+
+    payload: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlowReceived:
+    """A GRANT, CREDIT or ANNOUNCE frame (``header.type`` says which)."""
+
+    header: Header
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PingReceived:
     pass
 
@@ -142,6 +182,7 @@ class CloseReceived:
     pass
 
 
+_FLOW_FRAMES = frozenset({FrameType.GRANT, FrameType.CREDIT, FrameType.ANNOUNCE})
 PayloadPlacer = Callable[[Header], memoryview]
 
 
@@ -200,8 +241,10 @@ class FrameDecoder:
             return self._expect_header([PingReceived()])
         if header.type is FrameType.CLOSE:
             return self._expect_header([CloseReceived()])
+        if header.type in _FLOW_FRAMES:
+            return self._expect_header([FlowReceived(header)])
         self._header = header
-        if header.type is FrameType.CONTROL or header.flags & FLAG_LZ4:
+        if header.type is not FrameType.DATA or header.flags & FLAG_LZ4:
             self._compressed = bytearray(header.wire_len)
             self._target = memoryview(self._compressed)
         if header.type is FrameType.DATA:
@@ -221,6 +264,8 @@ class FrameDecoder:
         header = self._header
         if header.type is FrameType.CONTROL:
             event = ControlReceived(bytes(self._compressed))
+        elif header.type is FrameType.ABORT:
+            event = AbortReceived(bytes(self._compressed))
         else:
             if header.flags & FLAG_LZ4:
                 _decompress_into(self._compressed, self._destination, header)
@@ -228,7 +273,8 @@ class FrameDecoder:
             else:
                 raw = self._target
             if header.flags & FLAG_CHECKSUM and zlib.crc32(raw) != header.checksum:
-                raise RemoteProtocolError(f"checksum mismatch in chunk at offset {header.offset} of tag={header.tag} seq={header.seq}")
+                raise RemoteProtocolError(f"checksum mismatch in chunk at offset {header.offset} "
+                                          f"of tag={header.tag} seq={header.seq}")
             event = ChunkReceived(header)
         self._expect_header([])
         return event

@@ -1,29 +1,76 @@
-"""Receiver bookkeeping: matching messages to posted buffers, staging, duplicates (sans-I/O).
+"""Receiver bookkeeping: matching messages to posted buffers, staging, duplicates, credit (sans-I/O).
 
 Messages are named (tag, seq): the seq-th message the peer sent on ``tag``. Posted buffers on a
 tag are matched to messages in order. A chunk of a message nobody posted a buffer for yet is
-staged on its own (so a post that comes a moment late copies only the chunks that came early),
-in memory bounded by ``Limits.max_unexpected_bytes``. A chunk seen before (re-sent after a stream
-died) is routed to a scratch sink and not counted twice. Negative tags are reserved:
-``PROBE_DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
+staged on its own (so a post that comes a moment late copies only the chunks that came early).
+
+Every byte of a message is covered exactly once: a chunk that overlaps another chunk of its
+message, or repeats its offset with another length, is a ProtocolError naming both ranges; a
+message completes when its chunks cover it. A chunk seen before with the same range (re-sent after
+a stream died) is routed to a scratch sink and not counted twice; one re-sent while its first copy
+was cut off mid-chunk lands where the first copy was going.
+
+Flow control (receiver side of ``wanlink.proto.flow``): a chunk the peer sent on eager credit
+(``FLAG_EAGER``) is charged against ``Limits.max_unexpected_bytes`` until its bytes left staging;
+then the credit is due back to the peer (``take_credit``). Posting a receive grants its message:
+any other chunk of a message that was never granted is the peer ignoring flow control. Negative
+tags are reserved: ``PROBE_DISCARD_TAG`` payloads are received, acknowledged and dropped (probe traffic).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
+import threading
 
 import numpy as np
 
 from wanlink.errors import LocalProtocolError, MessageSizeError, RemoteProtocolError
-from wanlink.proto.frames import Header
+from wanlink.proto.frames import FLAG_EAGER, Header
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
 PROBE_DISCARD_TAG = -1  # data sent on this tag is received, acknowledged and dropped by the peer
-SCRATCH_SIZE = 16 * 1024 * 1024
 SPARE_STAGING_BYTES = 64 * 1024 * 1024
-"""Staging buffers kept for reuse once their chunk moved to a posted buffer: chunks that arrive
-before their receive is posted (a peer entering a collective late) then cost a copy, not fresh
-pages that fault. When full, buffers of other sizes make room (the chunk size can change)."""
+"""Staging buffers kept for reuse, per process, once their chunk moved to a posted buffer: chunks
+that arrive before their receive is posted (a peer entering a collective late) then cost a copy,
+not fresh pages that fault. When full, buffers of other sizes make room (the chunk size can change)."""
+
+
+class StagingPool:
+    """Spare staging buffers by size, shared by every Reassembler of the process (thread-safe)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.bytes = 0
+        self._spare: dict[int, list] = {}  # size -> buffers (bytearray or uint8 array) free for reuse
+        self._lock = threading.Lock()
+
+    def take(self, size: int):
+        """A buffer of ``size`` bytes: a spare one, else a fresh one (not zeroed: a chunk overwrites it)."""
+        with self._lock:
+            buffers = self._spare.get(size)
+            if buffers:
+                self.bytes -= size
+                staged = buffers.pop()
+                if not buffers:
+                    del self._spare[size]
+                return staged
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, staged) -> None:
+        """Keep ``staged`` for reuse if there is room (making room from buffers of other sizes)."""
+        size = len(staged)
+        with self._lock:
+            while self.bytes + size > self.capacity:
+                other = next((s for s in self._spare if s != size), None)
+                if other is None:  # full of this size already
+                    return
+                self.bytes -= other * len(self._spare.pop(other))
+            self._spare.setdefault(size, []).append(staged)
+            self.bytes += size
+
+
+STAGING_POOL = StagingPool(SPARE_STAGING_BYTES)
 
 
 @dataclasses.dataclass(eq=False)
@@ -38,6 +85,10 @@ class Incoming:
     chunks: dict = dataclasses.field(default_factory=dict)  # offset -> length of every chunk received
     staged: dict = dataclasses.field(default_factory=dict)  # offset -> staging buffer, while unclaimed
     landing: dict = dataclasses.field(default_factory=dict)  # offset -> (view, staged?) of chunks in progress
+    spans: dict = dataclasses.field(default_factory=dict)  # offset -> length of every chunk placed (landing or done)
+    starts: list = dataclasses.field(default_factory=list)  # sorted keys of spans
+    charged: set = dataclasses.field(default_factory=set)  # offsets of eager chunks whose credit is not yet due
+    granted: bool = False  # a receive was posted for it (the peer may send all of it)
     error: Exception | None = None
     done: bool = False
 
@@ -70,11 +121,13 @@ class Reassembler:
         self._limits = limits
         self._tags: dict[int, _TagState] = {}
         self._incoming: dict[tuple[int, int], Incoming] = {}
-        self._scratch = memoryview(bytearray(min(SCRATCH_SIZE, limits.max_frame_payload)))
-        self.unexpected_bytes = 0
+        self._scratch = memoryview(bytearray(0))
+        self.unexpected_bytes = 0  # bytes staged now (eager chunks plus chunks of cancelled receives)
+        self.peak_unexpected_bytes = 0
+        self.eager_bytes = 0  # bytes of eager chunks charged and not yet due back to the peer
+        self._credit_due = 0
         self.duplicate_chunks = 0
-        self._spare: dict[int, list] = {}  # size -> staging buffers (bytearray or uint8 array) free for reuse
-        self._spare_bytes = 0
+        self._pool = STAGING_POOL
 
     # -- application side -------------------------------------------------------------------
     def post(self, tag: int, buffer: memoryview) -> Incoming:
@@ -89,8 +142,11 @@ class Reassembler:
             state.next_post_seq += 1
         entry = self._incoming.get((tag, seq))
         if entry is None:
-            return self._new_entry(tag, seq, buffer)
+            entry = self._new_entry(tag, seq, buffer)
+            entry.granted = True
+            return entry
         entry.buffer = buffer
+        entry.granted = True
         if entry.total is not None and entry.total != len(buffer):
             entry.error = _size_error(tag, entry.total, len(buffer))
         for offset in [o for o in entry.staged if o not in entry.landing]:  # chunks still arriving move later
@@ -118,6 +174,14 @@ class Reassembler:
         return (tag, seq) in self._incoming
 
     # -- wire side --------------------------------------------------------------------------
+    def announce(self, header: Header) -> None:
+        """The peer started message (tag, seq) of ``header.total`` bytes but waits for its grant.
+        (An announcement overtaken by the message's chunks, on another stream, may come after it finished.)"""
+        if header.tag < 0:
+            raise RemoteProtocolError(f"announcement on reserved tag {header.tag}")
+        if not self._tags.setdefault(header.tag, _TagState()).is_completed(header.seq):
+            self._entry_for(header)
+
     def place(self, header: Header) -> memoryview:
         """Where the raw bytes of this DATA chunk go."""
         if header.tag < 0:
@@ -127,29 +191,28 @@ class Reassembler:
         state = self._tags.setdefault(header.tag, _TagState())
         if state.is_completed(header.seq):
             return self.scratch_view(header.raw_len)
-        entry = self._incoming.get((header.tag, header.seq))
-        if entry is None:
-            entry = self._new_entry(header.tag, header.seq, None)
-        if entry.total is None:
-            entry.total = header.total
-            if entry.buffer is not None and len(entry.buffer) != header.total:
-                entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
-        elif entry.total != header.total:
-            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
-        if header.offset in entry.chunks or entry.error is not None:
+        entry = self._entry_for(header)
+        offset = header.offset
+        claim = _claim(entry, offset, header.raw_len)
+        if claim is _DUPLICATE:
+            return self.scratch_view(header.raw_len)
+        if claim is _NEW:
+            self._charge(entry, header)
+        if entry.error is not None:
+            self._release(entry, offset)
             return self.scratch_view(header.raw_len)
         if entry.buffer is not None:
-            orphan = entry.staged.pop(header.offset, None)  # staged by a stream that died mid-chunk
+            orphan = entry.staged.pop(offset, None)  # staged by a stream that died mid-chunk
             if orphan is not None:
                 self.unexpected_bytes -= len(orphan)
-            view = entry.buffer[header.offset:header.offset + header.raw_len]
-            entry.landing[header.offset] = (view, False)
+            view = entry.buffer[offset:offset + header.raw_len]
+            entry.landing[offset] = (view, False)
             return view
-        staged = entry.staged.get(header.offset)
+        staged = entry.staged.get(offset)
         if staged is None:  # (a chunk cut off by a dead stream and re-sent reuses its staging buffer)
-            staged = self._stage(entry, header.offset, None, header.raw_len)
+            staged = self._stage(entry, offset, None, header.raw_len)
         view = memoryview(staged)
-        entry.landing[header.offset] = (view, True)
+        entry.landing[offset] = (view, True)
         return view
 
     def chunk_done(self, header: Header) -> Incoming | None:
@@ -164,8 +227,6 @@ class Reassembler:
         self._settle(entry, header.offset)
         entry.chunks[header.offset] = header.raw_len
         entry.received += header.raw_len
-        if entry.received > entry.total:
-            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} received more than {entry.total} bytes")
         if entry.done:  # failed earlier: forget it once its remaining chunks are drained
             if entry.complete:
                 self._retire(entry)
@@ -174,11 +235,57 @@ class Reassembler:
             return self._finish(entry)
         return None
 
+    def take_credit(self) -> int:
+        """Eager bytes whose credit is due back to the peer since the last call (0: none)."""
+        due, self._credit_due = self._credit_due, 0
+        return due
+
+    def clear(self) -> None:
+        """Forget every message and free what is staged (the link is finished)."""
+        self._incoming.clear()
+        self._tags.clear()
+        self.unexpected_bytes = self.eager_bytes = 0
+        self._scratch = memoryview(bytearray(0))
+
     def pending(self) -> list[Incoming]:
         """Posted messages not finished yet."""
         return [e for e in self._incoming.values() if e.buffer is not None and not e.done]
 
     # -- internals ----------------------------------------------------------------------------
+    def _entry_for(self, header: Header) -> Incoming:
+        """The message a chunk or announcement belongs to (created on first sight), its size checked."""
+        entry = self._incoming.get((header.tag, header.seq))
+        if entry is None:
+            entry = self._new_entry(header.tag, header.seq, None)
+        if entry.total is None:
+            entry.total = header.total
+            if entry.buffer is not None and len(entry.buffer) != header.total:
+                entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
+        elif entry.total != header.total:
+            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size "
+                                      f"{entry.total} -> {header.total}")
+        return entry
+
+    def _charge(self, entry: Incoming, header: Header) -> None:
+        """Check a new chunk against flow control: eager credit, or the message's grant."""
+        where = f"chunk [{header.offset}, {header.offset + header.raw_len}) of tag={entry.tag} seq={entry.seq}"
+        if header.flags & FLAG_EAGER:
+            self._limits.check("max_unexpected_bytes", self.eager_bytes + header.raw_len,
+                               f"eager {where}: the peer sent more than the credit it was given")
+            self.eager_bytes += header.raw_len
+            entry.charged.add(header.offset)
+        elif not entry.granted:
+            raise RemoteProtocolError(f"the peer sent {where} without eager credit before its receive was posted "
+                                f"(it ignored flow control)")
+
+    def _release(self, entry: Incoming, offset: int) -> None:
+        """An eager chunk's bytes left staging (or never used it): its credit is due back."""
+        if offset in entry.charged:
+            entry.charged.remove(offset)
+            length = entry.spans[offset]
+            self.eager_bytes -= length
+            self._credit_due += length
+
     def _new_entry(self, tag: int, seq: int, buffer: memoryview | None) -> Incoming:
         self._limits.check("max_pending_transfers", len(self._incoming) + 1, "partially received messages")
         entry = Incoming(tag, seq, buffer)
@@ -186,18 +293,19 @@ class Reassembler:
         return entry
 
     def _stage(self, entry: Incoming, offset: int, data, size: int | None = None):
-        """Hold a chunk of an unclaimed message (a copy of ``data``, or room for ``size`` bytes)."""
+        """Hold a chunk of an unclaimed message (a copy of ``data``, or room for ``size`` bytes).
+
+        Eager chunks are bounded by their credit (``_charge``); chunks of a cancelled receive are
+        bounded by the size of the receives the application cancelled.
+        """
         size = len(data) if data is not None else size
-        self._limits.check("max_unexpected_bytes", self.unexpected_bytes + size,
-                           f"chunk of tag={entry.tag} seq={entry.seq} held before a matching recv")
         if data is not None:
             staged = bytearray(data)
-        elif size in self._spare:
-            staged = self._take_spare(size)
         else:
-            staged = np.empty(size, dtype=np.uint8)  # the chunk overwrites it: no zeroing pass
+            staged = self._pool.take(size)
         entry.staged[offset] = staged
         self.unexpected_bytes += size
+        self.peak_unexpected_bytes = max(self.peak_unexpected_bytes, self.unexpected_bytes)
         return staged
 
     def _unstage(self, entry: Incoming, offset: int) -> None:
@@ -206,25 +314,8 @@ class Reassembler:
         if entry.error is None:
             entry.buffer[offset:offset + len(data)] = data
         self.unexpected_bytes -= len(data)
-        self._recycle(data)
-
-    def _take_spare(self, size: int):
-        buffers = self._spare[size]
-        staged = buffers.pop()
-        if not buffers:
-            del self._spare[size]
-        self._spare_bytes -= size
-        return staged
-
-    def _recycle(self, staged) -> None:
-        size = len(staged)
-        while self._spare_bytes + size > SPARE_STAGING_BYTES:
-            other = next((s for s in self._spare if s != size), None)
-            if other is None:  # full of this size already
-                return
-            self._take_spare(other)
-        self._spare.setdefault(size, []).append(staged)
-        self._spare_bytes += size
+        self._release(entry, offset)
+        self._pool.give(data)
 
     def _settle(self, entry: Incoming, offset: int) -> None:
         """A chunk finished landing: move it if the message was claimed or given back meanwhile."""
@@ -233,8 +324,10 @@ class Reassembler:
             return
         if was_staged and entry.buffer is not None:  # claimed while this chunk was arriving
             self._unstage(entry, offset)
-        elif not was_staged and entry.buffer is None:  # given back while this chunk was arriving
-            self._stage(entry, offset, view)
+        elif not was_staged:
+            self._release(entry, offset)
+            if entry.buffer is None:  # given back while this chunk was arriving
+                self._stage(entry, offset, view)
 
     def _finish(self, entry: Incoming) -> Incoming:
         entry.done = True
@@ -248,10 +341,35 @@ class Reassembler:
         del self._incoming[(entry.tag, entry.seq)]
 
     def scratch_view(self, nbytes: int) -> memoryview:
-        """A reused sink for bytes that must be read off the wire and dropped."""
+        """A reused sink for bytes that must be read off the wire and dropped (grown on demand)."""
         if nbytes > len(self._scratch):
             self._scratch = memoryview(bytearray(nbytes))
         return self._scratch[:nbytes]
+
+
+_NEW, _RESENT, _DUPLICATE = "new", "resent", "duplicate"
+
+
+def _claim(entry: Incoming, offset: int, length: int) -> str:
+    """Record that [offset, offset + length) of ``entry`` is arriving; any overlap is a ProtocolError."""
+    where = f"tag={entry.tag} seq={entry.seq}"
+    known = entry.spans.get(offset)
+    if known is not None:
+        if known != length:
+            raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) of {where} overlaps chunk "
+                                f"[{offset}, {offset + known}) with another length")
+        return _DUPLICATE if offset in entry.chunks else _RESENT
+    if length == 0 and entry.total:
+        raise RemoteProtocolError(f"empty chunk at offset {offset} of {where} ({entry.total} bytes)")
+    starts = entry.starts
+    i = bisect.bisect(starts, offset)
+    for other in starts[max(i - 1, 0):i + 1]:
+        end = other + entry.spans[other]
+        if other < offset + length and offset < end:
+            raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) of {where} overlaps chunk [{other}, {end})")
+    starts.insert(i, offset)
+    entry.spans[offset] = length
+    return _NEW
 
 
 def _size_error(tag: int, total: int, posted: int) -> MessageSizeError:

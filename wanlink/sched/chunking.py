@@ -31,6 +31,7 @@ class Chunk:
     view: memoryview
     acked: bool = False
     order: tuple | None = None  # EDF position, fixed when first queued
+    eager: bool = False  # sent on the link's eager credit (flow control), before the peer granted it
 
     @property
     def tag(self) -> int:
@@ -67,7 +68,8 @@ class OutgoingTransfer:
         """Record the peer's ack of the chunk at ``offset``; True when it was new."""
         chunk = self._by_offset.get(offset)
         if chunk is None or len(chunk.view) != length:
-            raise RemoteProtocolError(f"ack for [{offset}, {offset + length}) matches no chunk of tag={self.tag} seq={self.seq}")
+            raise RemoteProtocolError(f"ack for [{offset}, {offset + length}) matches no chunk "
+                                      f"of tag={self.tag} seq={self.seq}")
         if chunk.acked:
             return False
         chunk.acked = True

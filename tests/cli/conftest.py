@@ -1,4 +1,0 @@
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))  # iperf_helpers
