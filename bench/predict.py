@@ -13,10 +13,12 @@ goodput (wanlink-iperf, 8 streams, 4 s, before the path's configurations), the s
 lone 4 MiB all-reduce timed by each configuration's ranks before they profile) and the compute
 speed during training (from the forward passes, which do no communication).
 
-    sudo python3 dev.py bench bench/predict.py [--only NAME...] [--predict-only]
+    sudo python3 dev.py bench bench/predict.py [--only NAME...] [--out DIR | --publish]
+    python3 dev.py bench bench/predict.py --predict-only --out bench/results
 
-``--predict-only`` recomputes the predictions from the measured runs saved in
-bench/results/predict.json (no emulator needed). Writes bench/results/predict.{json,png}.
+``--predict-only`` recomputes the predictions from the measured runs saved in <out>/predict.json
+(no emulator needed). Writes <out>/predict.{json,png} (bench/results/ with ``--publish``). The
+4-rank rows are predicted with the collective wanlink runs for them (``wanlink_collective``).
 
 ``--allocation`` instead benches heterogeneous batch allocation: two ranks on loopback, rank 1
 slowed by an injected sleep per sample; each rank fits f_i(x) = min(beta/alpha x, beta) from a
@@ -162,6 +164,16 @@ def send_overhead_ms(row: dict) -> float:
     return max(0.0, (row["probe_allreduce_s"] - at[0]) / (at[1] - at[0]))
 
 
+def wanlink_collective(ranks: int) -> str:
+    """What wanlink's backend runs for a group of ``ranks`` split over the two namespaces (two sites):
+    its site-aware all-reduce where that pays off, else flat rings (the model's "site" / "flat")."""
+    from wanlink.collectives.hierarchical import pays_off
+    from wanlink.sched.sites import SiteMap
+
+    half = ranks // 2
+    return "site" if pays_off(SiteMap(["a"] * half + ["b"] * (ranks - half))) else "flat"
+
+
 def measure(path, config: dict, port: int) -> dict:
     """Run one configuration's ranks (half in each namespace) and collect their outputs."""
     ranks = config["ranks"]
@@ -181,7 +193,8 @@ def measure(path, config: dict, port: int) -> dict:
             raise RuntimeError(f"{config['name']}: ranks exited with {codes}")
         results = [json.loads(Path(out).read_text()) for out in outs]
     per_rank = [statistics.median(r["seconds"][SKIP_FIRST:]) for r in results]
-    return {**config, "measured_s": max(per_rank), "per_rank_median_s": per_rank,
+    return {**config, "collective": wanlink_collective(ranks), "measured_s": max(per_rank),
+            "per_rank_median_s": per_rank,
             "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
             "probe_allreduce_s": results[0]["probe_allreduce_s"]}
@@ -210,7 +223,9 @@ def predict(row: dict) -> dict:
     """
     from wanlink.plan import Choice, coarse, profile_from_json, simulate
 
-    choice = Choice(density=row["density"], staleness=row["staleness"], order=row["order"])
+    site = row.get("collective", "flat") == "site"  # rows measured before site-aware collectives ran flat rings
+    choice = Choice(density=row["density"], staleness=row["staleness"], order=row["order"],
+                    collective="site" if site else "flat", cells=row["ranks"] // 2 if site else 1)
     profiles = [profile_from_json(doc) for doc in row["profiles"]]
     profile = max(profiles, key=lambda p: p.compute_s)
     nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
@@ -432,14 +447,16 @@ def main(argv: list[str] | None = None) -> int:
             for run_in in (path.run_a, path.run_b):  # every variant alike: no slow start after idle
                 run_in(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
             link_mbit = run_wanlink(path, LINK_STREAMS, LINK_SECONDS, None)["gbps"] * 1e3
-            print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s", flush=True)
+            print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s",
+                  flush=True)
             for config in [c for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)]:
                 started = time.monotonic()
                 row = measure(path, config, 29700 + len(rows))
                 row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit)
                 rows.append(row)
                 print(f"{config['name']}: {row['measured_s']:.3f} s/iteration, lone 4 MiB all-reduce "
-                      f"{row['probe_allreduce_s'] * 1e3:.0f} ms ({row['wall_s']:.0f} s, load {row['load1']:.2f})", flush=True)
+                      f"{row['probe_allreduce_s'] * 1e3:.0f} ms ({row['wall_s']:.0f} s, load {row['load1']:.2f})",
+                      flush=True)
     load["after"] = os.getloadavg()[0]
     report(run, rows, load, args.name)
     return 0
