@@ -9,14 +9,16 @@ prediction for a configuration uses the slowest rank's profile and a cluster des
 from the path's settings (RTT, rate, the emulator's 1536 KiB window per flow, 1448/1500 goodput,
 the stream count), and compares the median measured iteration with the coarse and fine models.
 The headline predictions also take inputs measured in the same run (see ``predict``): the path's
-goodput (wanlink-iperf, 8 streams, 4 s) and send overhead (a lone 4 MiB all-reduce), both before
-the path's configurations, and the compute speed during training (from the forward passes, which
-do no communication).
+goodput (wanlink-iperf, 8 streams, 4 s, before the path's configurations), the send overhead (a
+lone 4 MiB all-reduce timed by each configuration's ranks before they profile) and the compute
+speed during training (from the forward passes, which do no communication).
 
-    sudo python3 dev.py bench bench/predict.py [--only NAME...] [--predict-only]
+    sudo python3 dev.py bench bench/predict.py [--only NAME...] [--out DIR | --publish]
+    python3 dev.py bench bench/predict.py --predict-only --out bench/results
 
-``--predict-only`` recomputes the predictions from the measured runs saved in
-bench/results/predict.json (no emulator needed). Writes bench/results/predict.{json,png}.
+``--predict-only`` recomputes the predictions from the measured runs saved in <out>/predict.json
+(no emulator needed). Writes <out>/predict.{json,png} (bench/results/ with ``--publish``). The
+4-rank rows are predicted with the collective wanlink runs for them (``wanlink_collective``).
 
 ``--allocation`` instead benches heterogeneous batch allocation: two ranks on loopback, rank 1
 slowed by an injected sleep per sample; each rank fits f_i(x) = min(beta/alpha x, beta) from a
@@ -106,7 +108,7 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model = make_model()
     batch = make_batch(args.rank)
-    dist.barrier()
+    probe_s = lone_allreduce_seconds(dist, torch)
     profile = profile_model(make_model(), batch, warmup=3, iterations=8, bucket_cap_mb=config["bucket_cap_mb"],
                             density=config["density"], name="bench.predict MLP")
     ddp = DDP(model, bucket_cap_mb=config["bucket_cap_mb"], gradient_as_bucket_view=True)
@@ -132,23 +134,15 @@ def worker(args) -> None:
         optimizer.step()
     dist.barrier()
     Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(), "seconds": seconds,
-                                             "forward": forward}))
+                                             "forward": forward, "probe_allreduce_s": probe_s}))
     dist.destroy_process_group()
 
 
-PROBE_BYTES, PROBE_REPEATS = 4 * 1024 * 1024, 6
+PROBE_BYTES, PROBE_REPEATS = 4 * 1024 * 1024, 5
 
 
-def probe_worker(args) -> None:
-    """One of two ranks timing a lone 4 MiB all-reduce on the path (after warm-up): a link figure."""
-    import torch
-    import torch.distributed as dist
-
-    import wanlink  # noqa: F401 - registers the backend
-
-    os.environ.update(WANLINK_ADDR=args.address, WANLINK_STREAMS=str(LINK_STREAMS))
-    store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=2)
+def lone_allreduce_seconds(dist, torch) -> float:
+    """Median time of a lone 4 MiB all-reduce over the configuration's ranks (after warm-up)."""
     tensor = torch.ones(PROBE_BYTES // 4)
     times = []
     for repeat in range(PROBE_REPEATS + 3):
@@ -157,26 +151,27 @@ def probe_worker(args) -> None:
         dist.all_reduce(tensor)
         if repeat >= 3:
             times.append(time.perf_counter() - begin)
-    if args.rank == 0:
-        Path(args.out_file).write_text(json.dumps({"seconds": times}))
-    dist.destroy_process_group()
+    return statistics.median(times)
 
 
-def send_overhead(path, rtt_ms: float, link_mbit: float, port: int) -> tuple[float, float]:
-    """(seconds of a lone 4 MiB all-reduce, what each of its 3 WAN send steps took beyond the one-way
-    delay and its bytes at the measured goodput): the model's ``send_overhead`` input."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "probe.json")
-        argv = [sys.executable, str(Path(__file__).resolve()), "--probe-worker", "--master", path.addr_a,
-                "--port", str(port), "--out-file", out]
-        procs = [path.popen_a(argv + ["--rank", "0", "--address", path.addr_a], env=env),
-                 path.popen_b(argv + ["--rank", "1", "--address", path.addr_b], env=env)]
-        if any(proc.wait(timeout=300) for proc in procs):
-            raise RuntimeError("the collective probe failed")
-        seconds = statistics.median(json.loads(Path(out).read_text())["seconds"])
-    data = PROBE_BYTES * 8 / (link_mbit * 1e6)  # 2 MiB each way twice: within the first windows
-    return seconds, max(0.0, (seconds - data - 3 * rtt_ms / 2e3) / 3)
+def send_overhead_ms(row: dict) -> float:
+    """The per-step send overhead that makes the model's lone 4 MiB all-reduce last as long as the
+    ranks measured it (the model's time is linear in the overhead)."""
+    from wanlink.plan import Bucket, Profile, simulate
+
+    lone = Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(PROBE_BYTES, 0.0, (PROBE_BYTES // 4,)),))
+    at = [simulate(_cluster(row, row["link_mbit"], 1.0, ms), lone).iteration_s for ms in (0.0, 1.0)]
+    return max(0.0, (row["probe_allreduce_s"] - at[0]) / (at[1] - at[0]))
+
+
+def wanlink_collective(ranks: int) -> str:
+    """What wanlink's backend runs for a group of ``ranks`` split over the two namespaces (two sites):
+    its site-aware all-reduce where that pays off, else flat rings (the model's "site" / "flat")."""
+    from wanlink.collectives.hierarchical import pays_off
+    from wanlink.sched.sites import SiteMap
+
+    half = ranks // 2
+    return "site" if pays_off(SiteMap(["a"] * half + ["b"] * (ranks - half))) else "flat"
 
 
 def measure(path, config: dict, port: int) -> dict:
@@ -198,9 +193,11 @@ def measure(path, config: dict, port: int) -> dict:
             raise RuntimeError(f"{config['name']}: ranks exited with {codes}")
         results = [json.loads(Path(out).read_text()) for out in outs]
     per_rank = [statistics.median(r["seconds"][SKIP_FIRST:]) for r in results]
-    return {**config, "measured_s": max(per_rank), "per_rank_median_s": per_rank,
+    return {**config, "collective": wanlink_collective(ranks), "measured_s": max(per_rank),
+            "per_rank_median_s": per_rank,
             "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
-            "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results]}
+            "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
+            "probe_allreduce_s": results[0]["probe_allreduce_s"]}
 
 
 def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
@@ -218,20 +215,23 @@ def predict(row: dict) -> dict:
     """Coarse and fine predictions for a measured row.
 
     "profile only": the slowest rank's pre-run profile and the path's nominal settings. The
-    headline ("calibrated") uses three more measured inputs from the same run: the path's goodput
-    as wanlink-iperf measured it with 8 streams, the send overhead from a lone 4 MiB all-reduce on
-    the path (both just before the path's configurations), and the compute speed during training
-    (the profile scaled by the ratio of the ranks' median forward time in training to the
-    profiled one; forward passes do no communication).
+    headline ("calibrated") uses three more measured inputs: the path's goodput as wanlink-iperf
+    measured it with 8 streams before the path's configurations; the send overhead, from a lone
+    4 MiB all-reduce the configuration's own ranks timed just before profiling; and the compute
+    speed during training (the profile scaled by the ratio of the ranks' median forward time in
+    training to the profiled one; forward passes do no communication).
     """
     from wanlink.plan import Choice, coarse, profile_from_json, simulate
 
-    choice = Choice(density=row["density"], staleness=row["staleness"], order=row["order"])
+    site = row.get("collective", "flat") == "site"  # rows measured before site-aware collectives ran flat rings
+    choice = Choice(density=row["density"], staleness=row["staleness"], order=row["order"],
+                    collective="site" if site else "flat", cells=row["ranks"] // 2 if site else 1)
     profiles = [profile_from_json(doc) for doc in row["profiles"]]
     profile = max(profiles, key=lambda p: p.compute_s)
     nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
     scaled = [p.scaled(speed=p.forward_s / measured) for p, measured in zip(profiles, row["train_forward_s"])]
     running = max(scaled, key=lambda p: p.compute_s)
+    row["send_overhead_ms"] = send_overhead_ms(row)
     calibrated = _cluster(row, row["link_mbit"], 1.0, row["send_overhead_ms"])
     measured = row["measured_s"]
     out = {"profile_compute_s": profile.compute_s, "running_compute_s": running.compute_s}
@@ -280,7 +280,7 @@ def report(run, rows: list[dict], load: dict, name: str) -> None:
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
                        ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
                        ("profile_only_fine_s", "fine, profile only s", ".3f"),
-                       ("profile_only_fine_error_pct", "err %", "+.1f")])
+                       ("profile_only_fine_error_pct", "err %", "+.1f"), ("send_overhead_ms", "overhead ms", ".1f")])
     summary = {}
     for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"):
         errors = [abs(r[f"{key}_error"]) for r in rows]
@@ -412,7 +412,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: the heterogeneous batch allocation bench (loopback, no emulator)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--allocation-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--probe-worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--config", "--master", "--address"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -424,9 +423,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
-        return 0
-    if args.probe_worker:
-        probe_worker(args)
         return 0
     if args.allocation_worker:
         allocation_worker(args)
@@ -451,17 +447,16 @@ def main(argv: list[str] | None = None) -> int:
             for run_in in (path.run_a, path.run_b):  # every variant alike: no slow start after idle
                 run_in(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
             link_mbit = run_wanlink(path, LINK_STREAMS, LINK_SECONDS, None)["gbps"] * 1e3
-            probe_s, overhead = send_overhead(path, rtt_ms, link_mbit, 29690)
-            print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s; "
-                  f"lone 4 MiB all-reduce {probe_s * 1e3:.0f} ms: send overhead {overhead * 1e3:.1f} ms", flush=True)
+            print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s",
+                  flush=True)
             for config in [c for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)]:
                 started = time.monotonic()
                 row = measure(path, config, 29700 + len(rows))
-                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit,
-                           probe_allreduce_s=probe_s, send_overhead_ms=overhead * 1e3)
+                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit)
                 rows.append(row)
-                print(f"{config['name']}: {row['measured_s']:.3f} s/iteration ({row['wall_s']:.0f} s, "
-                      f"load {row['load1']:.2f})", flush=True)
+                print(f"{config['name']}: {row['measured_s']:.3f} s/iteration, lone 4 MiB all-reduce "
+                      f"{row['probe_allreduce_s'] * 1e3:.0f} ms ({row['wall_s']:.0f} s, load {row['load1']:.2f})",
+                      flush=True)
     load["after"] = os.getloadavg()[0]
     report(run, rows, load, args.name)
     return 0

@@ -18,7 +18,7 @@ class Choice:
     streams: int | None = None  # None: the cluster's default
     density: float | None = None  # None: dense all-reduce; else block-sparse all-gather at this density
     staleness: int = 0  # 0: the step waits for this iteration's exchange; 1: for the previous one's
-    collective: str = "flat"  # "flat": one collective over all ranks; "site": hierarchical (modelled only)
+    collective: str = "flat"  # "flat": one collective over all ranks; "site": reduce in sites, then across
     cells: int = 1  # site collectives: parallel cross-site rings
     order: str = "fcfs"  # chunk order on a link: "fcfs" (launch order) or "edf" (first layers first)
     batches: tuple[int, ...] | None = None  # local batch of every rank; None: the profile's everywhere

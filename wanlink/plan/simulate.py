@@ -25,7 +25,6 @@ from wanlink.plan.cluster import Cluster
 from wanlink.plan.profile import Profile
 from wanlink.plan.topology import Transfer
 
-EPS = 1e-12
 TIMELINE_RANKS = 16  # ranks whose compute segments are kept for the timeline
 
 

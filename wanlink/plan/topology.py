@@ -11,8 +11,9 @@ sequential step), charged after its bytes.
 
 Algorithms follow wanlink's: direct exchange up to ``DIRECT_MAX_BYTES`` per member, pipelined
 rings above; dense buckets all-reduce, sparse ones all-gather block-COO frames. ``site``
-collectives (modelled, not yet in wanlink) reduce inside each site, cross the WAN in ``cells``
-parallel rings of one host per site, and spread the result inside each site.
+collectives reduce inside each site, cross the WAN in ``cells``
+parallel exchanges of one host per site, and spread the result inside each site (wanlink's
+``collectives/hierarchical.py`` with every member of a site in use is ``cells`` = ranks per site).
 """
 from __future__ import annotations
 
@@ -191,8 +192,10 @@ def flat_collective(net: Network, nbytes: int, sparse: bool, label: str) -> Phas
 
 
 def site_collective(net: Network, nbytes: int, sparse: bool, cells: int, label: str) -> Phases:
-    """Hierarchical: inside each site, then ``cells`` cross-site rings (one host per site in each,
-    carrying 1/cells of the data), then inside each site again. Phases run one after another."""
+    """Hierarchical: inside each site, then ``cells`` cross-site exchanges (one host per site in
+    each, carrying 1/cells of the data: a direct swap of partial sums for dense buckets, a ring of
+    the sites' bundles of messages for sparse ones), then inside each site again. Phases run one
+    after another."""
     sites = sorted(set(net.rank_site))
     members_of = {s: [r for r, site in enumerate(net.rank_site) if site == s] for s in sites}
     cells = max(1, min(cells, min(len(m) for m in members_of.values())))
@@ -213,8 +216,6 @@ def site_collective(net: Network, nbytes: int, sparse: bool, cells: int, label: 
             if sparse:
                 bundle = len(net.rank_site) / s_count * nbytes / cells
                 wan.append(ring(net, members, (s_count - 1) * bundle, s_count - 1, ("cell", cell), label))
-            else:
-                share = nbytes / cells
-                wan.append(ring(net, members, 2 * (s_count - 1) / s_count * share, 2 * (s_count - 1),
-                                ("cell", cell), label))
+            else:  # as collectives/hierarchical.py: each member swaps its part with its peers in the other sites
+                wan.append(all_pairs(net, members, nbytes / cells, ("cell", cell), label))
     return [phase for phase in (local_in, wan, local_out) if phase]
