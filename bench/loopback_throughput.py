@@ -6,12 +6,13 @@ is the fastest plain-Python path: ``loop.sock_sendall`` of the whole buffer agai
 ``send`` returns only once the receiver acknowledged every chunk, so both times cover delivery.
 
     python3 dev.py bench bench/loopback_throughput.py [--size-mib 1024] [--streams 1 2 4 8] [--repeat 3]
-        [--paths tcp unix] [--chunk-kib 1024 4096] [--name loopback_unix]
+        [--paths tcp unix] [--chunk-kib 1024 4096] [--name loopback_unix] [--out DIR | --publish]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -23,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import wanlink
-from bench.reporting import new_figure, print_table, save_figure, save_json
+from bench.reporting import Run, add_output_options, colours, legend_outside, new_figure, print_table
 from wanlink.io.runtime import new_event_loop
 
 MiB = 1024 * 1024
@@ -44,7 +45,8 @@ class _cpu_seconds:
 # -- receiver (child process) --------------------------------------------------------------------
 def receiver(pipe, mode: str, size: int, repeat: int, loop_kind: str) -> None:
     loop = make_loop(loop_kind)
-    loop.run_until_complete(_raw_receiver(pipe, size, repeat) if mode == "raw" else _wanlink_receiver(pipe, size, repeat))
+    receive = _raw_receiver if mode == "raw" else _wanlink_receiver
+    loop.run_until_complete(receive(pipe, size, repeat))
     loop.close()
     pipe.send(_cpu_seconds.total)
 
@@ -149,10 +151,33 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
             proc.kill()
     rates = [8 * len(payload) / t / 1e9 for t in times]
     gib = len(payload) * repeat / 2**30
-    return {"mode": mode, "path": path, "streams": streams, "loop": loop_kind, "chunk_kib": chunk_size // 1024 if mode != "raw" else "",
-            "best_gbps": max(rates),
+    return {"mode": mode, "path": path, "streams": streams, "loop": loop_kind,
+            "chunk_kib": chunk_size // 1024 if mode != "raw" else "", "best_gbps": max(rates),
             "median_gbps": statistics.median(rates), "seconds": times, "chunks_per_stream": per_stream,
             "sender_cpu_s_per_gib": _cpu_seconds.total / gib, "receiver_cpu_s_per_gib": receiver_cpu / gib}
+
+
+def plot(run: Run, rows: list[dict], name: str, size_mib: int):
+    """Throughput against streams: one colour per wanlink variant, the event loop as the line style."""
+    fig, ax = new_figure(figsize=(7, 4))
+    variants = list(dict.fromkeys((r.get("path", "tcp"), r["chunk_kib"]) for r in rows if r["mode"] == "wanlink"))
+    palette = colours(variants)  # one colour per wanlink variant; the event loop is the line style
+    for loop_kind, style in zip(dict.fromkeys(r["loop"] for r in rows), ("-", ":")):
+        for variant in variants:
+            path, chunk_kib = variant
+            mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink"
+                    and r["chunk_kib"] == chunk_kib and r.get("path", "tcp") == path]
+            ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], style, marker="o",
+                    color=palette[variant], label=f"wanlink over {path}, {chunk_kib} KiB chunks ({loop_kind})")
+        raw = next(r for r in rows if r["loop"] == loop_kind and r["mode"] == "raw")
+        ax.axhline(raw["median_gbps"], linestyle="--" if style == "-" else "-.", color="black",
+                   label=f"raw sock_sendall ({loop_kind})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("streams per link")
+    ax.set_ylabel("Gbit/s (median)")
+    ax.set_title(f"loopback, {size_mib} MiB transfers")
+    legend_outside(ax, fontsize=8)
+    return run.save_figure(fig, name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +192,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="wanlink over TCP loopback and/or an abstract Unix socket (the raw baseline is TCP)")
     parser.add_argument("--congestion", default=None, help="TCP congestion control of wanlink's streams")
     parser.add_argument("--name", default="loopback_throughput")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    run = Run(args)
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        print("wrote", plot(run, saved["rows"], args.name, saved["size_mib"]))
+        return 0
     CONGESTION[0] = args.congestion
     payload = memoryview(os.urandom(MiB) * args.size_mib)
     rows = []
@@ -182,28 +214,13 @@ def main(argv: list[str] | None = None) -> int:
                     row["vs_raw"] = row["median_gbps"] / baseline["median_gbps"]
                     rows.append(row)
     print(f"loopback, {args.size_mib} MiB per transfer, {args.repeat} repetitions; load {os.getloadavg()[0]:.2f}")
-    print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("path", "path", ""), ("streams", "streams", "d"),
-                       ("chunk_kib", "chunk KiB", ""),
+    print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("path", "path", ""),
+                       ("streams", "streams", "d"), ("chunk_kib", "chunk KiB", ""),
                        ("median_gbps", "median Gb/s", ".2f"), ("best_gbps", "best Gb/s", ".2f"),
                        ("vs_raw", "x raw", ".2f"), ("sender_cpu_s_per_gib", "send CPU s/GiB", ".3f"),
                        ("receiver_cpu_s_per_gib", "recv CPU s/GiB", ".3f")])
-    save_json(args.name, {"size_mib": args.size_mib, "repeat": args.repeat, "rows": rows})
-    fig, ax = new_figure(figsize=(7, 4))
-    for loop_kind in args.loops:
-        raw = next(r for r in rows if r["loop"] == loop_kind and r["mode"] == "raw")
-        for path in args.paths:
-            for chunk_kib in args.chunk_kib:
-                mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink"
-                        and r["chunk_kib"] == chunk_kib and r["path"] == path]
-                line = ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], marker="o",
-                               label=f"wanlink over {path} ({loop_kind}, {chunk_kib} KiB chunks)")[0]
-        ax.axhline(raw["median_gbps"], linestyle="--", color=line.get_color(), label=f"raw sock_sendall ({loop_kind})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("streams per link")
-    ax.set_ylabel("Gbit/s (median)")
-    ax.set_title(f"loopback, {args.size_mib} MiB transfers")
-    ax.legend(fontsize=8)
-    print("wrote", save_figure(fig, args.name))
+    print("wrote", run.save_json(args.name, {"size_mib": args.size_mib, "repeat": args.repeat, "rows": rows}))
+    print("wrote", plot(run, rows, args.name, args.size_mib))
     return 0
 
 

@@ -25,10 +25,10 @@ from wanlink.probe.chunk import choose_chunk_size
 from wanlink.probe.ramp import MAX_STREAMS, ProbeResult, StreamRamp
 from wanlink.probe.step import MIN_INFLIGHT_BYTES, StepTiming, inflight_bytes_for
 from wanlink.proto.handshake import PROBE_META_KEY, normalize_secret
-from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+from wanlink.proto.limits import Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG
 from wanlink.sched.chunking import chunk_size_from
-from wanlink.settings import Settings, from_env
+from wanlink.settings import Settings, from_env, limits_from
 
 DEFAULT_STREAMS = 4
 """Streams towards loopback and Unix sockets, where no window-limited path needs probing."""
@@ -46,7 +46,7 @@ def resolve_secret(secret: bytes | str | None, settings: Settings) -> bytes:
 async def connect(host: str, port: int, *, streams: int | None = None, secret: bytes | str | None = None,
                   meta: dict | None = None, timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None,
                   congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
-                  checksum: bool = False, limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None,
+                  checksum: bool = False, limits: Limits | None = None, unix_name: str | None = None,
                   settings: Settings | None = None) -> Link:
     """Open a Link of ``streams`` TCP streams to a wanlink server and authenticate each one.
 
@@ -56,10 +56,12 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     ``chunk_size`` to WANLINK_CHUNK_SIZE, else the probe's choice (4 MiB over loopback).
     ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
-    namespace only); the streams are Unix sockets, not probed (default 4). ``settings`` replaces
-    the environment (default ``wanlink.settings.from_env()``).
+    namespace only); the streams are Unix sockets, not probed (default 4). ``limits`` default to
+    the protocol's, with WANLINK_STAGING_BYTES. ``settings`` replaces the environment (default
+    ``wanlink.settings.from_env()``).
     """
     settings = from_env() if settings is None else settings
+    limits = limits_from(settings) if limits is None else limits
     if streams is not None:
         check_stream_count(streams)
     key = resolve_secret(secret, settings)
@@ -80,21 +82,23 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
 
 
 async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = None,
-                timeout: float = DEFAULT_TIMEOUT, limits: Limits = DEFAULT_LIMITS, backlog: int = 128,
+                timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None, backlog: int = 128,
                 chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
                 compress: bool = False, checksum: bool = False, unix: bool = False,
                 settings: Settings | None = None) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
-    ``secret`` defaults to WANLINK_SECRET and ``chunk_size`` to WANLINK_CHUNK_SIZE (``settings``
-    replaces the environment). ``unix=True`` also listens on an abstract Unix socket
-    (``server.unix_name``) for processes of the same host and network namespace: the same
+    ``secret`` defaults to WANLINK_SECRET, ``chunk_size`` to WANLINK_CHUNK_SIZE and ``limits`` to the
+    protocol's with WANLINK_STAGING_BYTES (``settings`` replaces the environment). ``unix=True``
+    also listens on an abstract Unix socket (``server.unix_name``) for processes of the same host
+    and network namespace: the same
     handshake; sending costs a third less CPU per byte than over TCP loopback
     (bench/loopback_throughput.py --paths tcp unix).
     """
     settings = from_env() if settings is None else settings
     return await start_server(host, port, on_link=on_link, secret=resolve_secret(secret, settings),
-                              timeout=timeout, limits=limits, backlog=backlog,
+                              timeout=timeout, limits=limits_from(settings) if limits is None else limits,
+                              backlog=backlog,
                               chunk_size=settings.chunk_size if chunk_size is None else chunk_size,
                               congestion=congestion, sock_buffer=sock_buffer, compress=compress,
                               checksum=checksum, unix=unix)

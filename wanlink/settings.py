@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Literal
 
 from wanlink.errors import ConfigError
-from wanlink.proto.limits import DEFAULT_LIMITS
+from wanlink.proto.limits import DEFAULT_LIMITS, MiB, Limits
 from wanlink.sched.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from wanlink.sched.sites import check_site_name
 
@@ -68,6 +68,10 @@ def _chunk_size(name: str, raw: str) -> int | None:
     return _integer(name, raw, MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
 
 
+def _staging_bytes(name: str, raw: str) -> int:
+    return _integer(name, raw, MiB)
+
+
 def _site(name: str, raw: str) -> str | None:
     return check_site_name(raw, name) if raw.strip() else None
 
@@ -111,6 +115,9 @@ VARIABLES: tuple[Variable, ...] = (
              "1: lz4 per chunk, sent compressed only where that shrinks it"),
     Variable("WANLINK_DIRECT_MAX_BYTES", "direct_max_bytes", _non_negative, "262144",
              "collectives up to this many bytes per rank use direct exchange instead of ring/chain"),
+    Variable("WANLINK_STAGING_BYTES", "staging_bytes", _staging_bytes, "134217728 (128 MiB)",
+             "per link: bytes staged for receives not posted yet (the eager credit; a sender waits for "
+             "the receive beyond it); at least 1048576"),
     Variable("WANLINK_PIECE_BYTES", "piece_bytes", _positive, "4194304", "ring/chain pipelining unit in bytes"),
     Variable("WANLINK_GC_FREEZE", "gc_freeze", _flag, "1",
              "0: leave Python's garbage collector alone (1 freezes it once at the first group)"),
@@ -134,8 +141,14 @@ class Settings:
     compress: bool = False
     direct_max_bytes: int = 256 * 1024
     piece_bytes: int = 4 * 1024 * 1024
+    staging_bytes: int = DEFAULT_LIMITS.max_unexpected_bytes
     gc_freeze: bool = True
     pure_python: bool = False
+
+
+def limits_from(settings: Settings) -> Limits:
+    """The protocol limits ``settings`` ask for (the defaults, with WANLINK_STAGING_BYTES)."""
+    return dataclasses.replace(DEFAULT_LIMITS, max_unexpected_bytes=settings.staging_bytes)
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Settings:

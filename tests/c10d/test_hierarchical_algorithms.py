@@ -124,7 +124,7 @@ def test_all_gather(layout, even):
 def test_broadcast_from_every_root(layout, numel):
     size = len(LAYOUTS[layout])
     for root in range(size):
-        async def member(comm, sites):
+        async def member(comm, sites, root=root):
             tensor = data(root, numel) if comm.rank == root else torch.zeros(numel)
             await hierarchical.broadcast(comm, sites, tensor, root)
             return tensor
@@ -180,7 +180,8 @@ def test_reduce_scatter_spreads_the_wan_bytes():
 
     async def member(comm, sites):
         blocks = [data(comm.rank * 10 + k, block) for k in range(4)]
-        await hierarchical.reduce_scatter(comm, sites, blocks, torch.empty(block), reducer_for("sum", torch.float32, "t"))
+        reducer = reducer_for("sum", torch.float32, "t")
+        await hierarchical.reduce_scatter(comm, sites, blocks, torch.empty(block), reducer)
         return comm.wan_bytes, comm.wan_received
     # each member's site partial of one remote block out, the other site's partial of its own block in
     assert run_sites(LAYOUTS["2x2"], member) == [(block * 4, block * 4)] * 4

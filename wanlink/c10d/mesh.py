@@ -5,8 +5,8 @@ and under ``wanlink/local/<rank>`` its host key and abstract Unix socket: member
 network namespace) link over Unix sockets instead of TCP loopback (``WANLINK_UNIX=0`` turns that off).
 Under ``wanlink/site/<rank>`` it publishes its site (``WANLINK_SITE``, else its host): the world's
 :class:`~wanlink.sched.sites.SiteMap` (docs/sites.md).
-Links are made at start-up (and re-requested lazily), one per pair of members, and shared by every process group of that world:
-the member with the higher rank connects, the lower one accepts. The shared secret is
+Links are made at start-up (and re-requested lazily), one per pair of members, and shared by every
+process group of that world: the member with the higher rank connects, the lower one accepts. The shared secret is
 ``WANLINK_SECRET`` when set, otherwise made by rank 0 and handed out through the Store (see
 docs/c10d.md for what that means for trust).
 
@@ -202,7 +202,7 @@ class Mesh:
         if slot.done():
             await link.close()
         else:
-            slot.set_result(link)
+            self._hold(peer, slot, link)
 
     async def _on_link(self, link) -> None:
         meta = link.peer_meta or {}
@@ -217,7 +217,24 @@ class Mesh:
             logger.warning("duplicate link from rank %d ignored", peer)
             await link.close()
             return
+        self._hold(peer, slot, link)
+
+    def _hold(self, peer: int, slot: asyncio.Future, link) -> None:
+        """Hand out ``link`` for ``peer`` until it fails; then drop it (freeing what it staged) and
+        answer later requests with the reason."""
         slot.set_result(link)
+        link.add_failure_callback(lambda failed: self._drop(peer, failed))
+
+    def _drop(self, peer: int, link) -> None:
+        slot = self._links.get(peer)
+        if slot is None or not slot.done() or slot.cancelled() or slot.exception() is not None:
+            return
+        if slot.result() is not link:
+            return
+        failed = link.loop.create_future()
+        failed.set_exception(PeerLost(f"wanlink: the link rank {self.rank} <-> rank {peer} failed: {link.error}"))
+        failed.exception()  # retrieved: nobody need ask
+        self._links[peer] = failed
 
     def cached(self, peer: int):
         """The link to ``peer`` if it is already up, else None (loop thread)."""

@@ -24,13 +24,14 @@ from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse
 from wanlink.c10d.deadlines import URGENT, current_deadline
 from wanlink.c10d.debug import VARIES, Fingerprint, check_fingerprint
 from wanlink.c10d.gc_freeze import freeze_gc_once
+from wanlink.c10d.identity import GroupIdentity
 from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
-from wanlink.collectives import direct, hierarchical, ring, sparse
+from wanlink.collectives import choice, direct, hierarchical, sparse
 from wanlink.collectives.base import Comm, gather_all, split
-from wanlink.collectives.reduce_ops import finish_average, reducer_for
+from wanlink.collectives.reduce_ops import reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
 from wanlink.settings import Settings
 
@@ -40,7 +41,7 @@ SHUTDOWN_DRAIN_SECONDS = 10.0
 """Longest the world group waits at shutdown for peers to finish reading what it sent."""
 
 
-class ProcessGroupWanlink(ProcessGroup):
+class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
     """The "wanlink" backend: see docs/c10d.md."""
 
     def __init__(self, mesh: Mesh, owns_mesh: bool, mesh_ranks: Sequence[int], group_rank: int,
@@ -53,35 +54,12 @@ class ProcessGroupWanlink(ProcessGroup):
         self._group_name, self._group_desc = group_name, group_name
         self.slot = mesh.claim_slot(group_name)
         self.site_map = mesh.sites.subgroup(self.mesh_ranks)
-        self._site_aware = hierarchical.pays_off(self.site_map)
+        self._wan_sites = self.site_map if hierarchical.pays_off(self.site_map) else None  # site-aware algorithms
         self.direct_max_bytes, self.piece_bytes = settings.direct_max_bytes, settings.piece_bytes
         self.detail = detail  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's fingerprint
         self._sequence = 0
         self._sequence_lock = threading.Lock()
         freeze_gc_once(settings.gc_freeze)
-
-    # -- identity -----------------------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return "wanlink"
-
-    def name(self) -> str:
-        return "wanlink"
-
-    # torch's ProcessGroup keeps its name and description in its per-device Backends; a Python
-    # ProcessGroup has none, so `group_name` (which functional collectives, DTensor and FSDP2
-    # resolve groups by) would raise "ProcessGroup name not set". These overrides are what
-    # C++ (ProcessGroup::getGroupName) and Python (`pg.group_name`, `_set_group_name`) reach.
-    def getGroupName(self) -> str:  # noqa: N802 - torch's name
-        return self._group_name
-
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._group_desc = desc
 
     def __repr__(self) -> str:
         return f"ProcessGroupWanlink(group={self.label!r}, rank={self.group_rank}, size={self.group_size})"
@@ -158,39 +136,7 @@ class ProcessGroupWanlink(ProcessGroup):
 
     def sites(self) -> dict:
         """This rank's site and LocalDPRank and the group's cells (``wanlink.c10d.site_map``)."""
-        return {**self.site_map.describe(self.group_rank), "site_aware": self._site_aware}
-
-    # -- algorithm choice (shared by single and coalesced calls) ----------------------------------
-    async def _run_allreduce(self, comm: Comm, buffer: torch.Tensor, reducer, name: str) -> None:
-        if self._is_small(nbytes(buffer)):
-            await direct.allreduce(comm, buffer, reducer)
-        elif self._site_aware:
-            await hierarchical.allreduce(comm, self.site_map, buffer, reducer)
-        else:
-            await ring.allreduce(comm, buffer, reducer)
-        if name == "avg":
-            finish_average(buffer, self.group_size)
-
-    async def _run_reduce_scatter(self, comm: Comm, blocks: list[torch.Tensor], result: torch.Tensor,
-                                  reducer, name: str) -> None:
-        if self._is_small(nbytes(result) * self.group_size):
-            await direct.reduce_scatter(comm, blocks, result, reducer)
-        elif self._site_aware:
-            await hierarchical.reduce_scatter(comm, self.site_map, blocks, result, reducer)
-        else:
-            await ring.reduce_scatter_into(comm, blocks, result, reducer)
-        if name == "avg":
-            finish_average(result, self.group_size)
-
-    async def _run_all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        if self._is_small(sum(nbytes(target) for target in targets)):
-            await direct.all_gather(comm, source, targets)
-        else:
-            targets[self.group_rank].copy_(source)
-            if self._site_aware:
-                await hierarchical.all_gather(comm, self.site_map, targets)
-            else:
-                await ring.all_gather(comm, targets)
+        return {**self.site_map.describe(self.group_rank), "site_aware": self._wan_sites is not None}
 
     # -- reductions ---------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -206,7 +152,7 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.write(tensor, fill=True)
 
         async def body(comm: Comm) -> None:
-            await self._run_allreduce(comm, buffer, reducer, name)
+            await choice.allreduce(comm, buffer, reducer, name, self.direct_max_bytes, self._wan_sites)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
 
@@ -234,7 +180,7 @@ class ProcessGroupWanlink(ProcessGroup):
         flat = torch.cat([staging.read(tensor) for tensor in tensors])
 
         async def body(comm: Comm) -> None:
-            await self._run_allreduce(comm, flat, reducer, name)
+            await choice.allreduce(comm, flat, reducer, name, self.direct_max_bytes, self._wan_sites)
             copy_parts(flat, tensors)
 
         return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts)
@@ -245,7 +191,7 @@ class ProcessGroupWanlink(ProcessGroup):
         result = staging.write(output)
 
         async def body(comm: Comm) -> None:
-            await self._run_reduce_scatter(comm, blocks, result, reducer, name)
+            await choice.reduce_scatter(comm, blocks, result, reducer, name, self.direct_max_bytes, self._wan_sites)
 
         return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts)
 
@@ -307,7 +253,8 @@ class ProcessGroupWanlink(ProcessGroup):
             jobs.append((list(stacked), torch.empty(stacked.shape[1], dtype=dtype)))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([self._run_reduce_scatter(comm, blocks, result, reducer, name)
+            await gather_all([choice.reduce_scatter(comm, blocks, result, reducer, name, self.direct_max_bytes,
+                                                    self._wan_sites)
                               for comm, (blocks, result) in zip(comms, jobs)])
             if joint:
                 copy_parts(jobs[-1][1], joint)
@@ -325,13 +272,10 @@ class ProcessGroupWanlink(ProcessGroup):
         reducer = reducer_for(name, tensor.dtype, op)
         staging = Staging()
         is_root = self.group_rank == root
-        small = self._is_small(nbytes(tensor))
         buffer = staging.write(tensor, fill=True) if is_root else staging.read(tensor)
 
         async def body(comm: Comm) -> None:
-            await (direct.reduce if small else ring.reduce)(comm, buffer, root, reducer)
-            if is_root and name == "avg":
-                finish_average(buffer, self.group_size)
+            await choice.reduce(comm, buffer, root, reducer, name, self.direct_max_bytes)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
@@ -346,19 +290,14 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.read(tensor) if self.group_rank == root else staging.write(tensor)
 
         async def body(comm: Comm) -> None:
-            if self._is_small(nbytes(buffer)):
-                await direct.broadcast(comm, buffer, root)
-            elif self._site_aware:
-                await hierarchical.broadcast(comm, self.site_map, buffer, root)
-            else:
-                await ring.broadcast(comm, buffer, root)
+            await choice.broadcast(comm, buffer, root, self.direct_max_bytes, self._wan_sites)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
     def _all_gather_into(self, op: str, source: torch.Tensor, targets: list[torch.Tensor],
                          staging: Staging, outputs: list, opts) -> WanlinkWork:
         async def body(comm: Comm) -> None:
-            await self._run_all_gather(comm, source, targets)
+            await choice.all_gather(comm, source, targets, self.direct_max_bytes, self._wan_sites)
 
         return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts)
 
@@ -406,7 +345,7 @@ class ProcessGroupWanlink(ProcessGroup):
             jobs.append((gathered[self.group_rank], gathered))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([self._run_all_gather(comm, source, targets)
+            await gather_all([choice.all_gather(comm, source, targets, self.direct_max_bytes, self._wan_sites)
                               for comm, (source, targets) in zip(comms, jobs)])
             if small:
                 for target, row in zip(gathered, landing):
@@ -418,7 +357,7 @@ class ProcessGroupWanlink(ProcessGroup):
         return self._collective(op, fingerprint, body, staging, outputs, opts, parts=len(jobs))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` = rank k's ``input_list[i]``, every tensor in one collective."""
+        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` = rank k's ``input_list[i]``, in one collective."""
         op = "all_gather_coalesced"
         if not input_list or len(output_lists) != self.group_size:
             raise ConfigError(f"wanlink {op}: need at least one input and {self.group_size} output lists, "
@@ -578,7 +517,10 @@ class ProcessGroupWanlink(ProcessGroup):
         return self._p2p("recv", tensors, srcRank, tag, sending=False)
 
     def recv_anysource(self, tensors, tag: int):
-        """``dist.recv`` / ``dist.irecv`` without ``src``: receive from whichever rank sends on ``tag`` first; ``work._source_rank()`` names it."""
+        """``dist.recv`` / ``dist.irecv`` without ``src``: from whichever rank sends on ``tag`` first.
+
+        ``work._source_rank()`` names that rank.
+        """
         return self._p2p("recv", tensors, None, tag, sending=False)
 
     # torch >= 2.13 names; the underscore names are what older torch calls

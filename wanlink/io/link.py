@@ -106,6 +106,7 @@ class Link:
         self._wake_start = 0
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
+        self._failure_callbacks: list = []
         self.flow = SendFlow(max_grants=limits.max_pending_transfers)  # what we may send (peer's credit, grants)
         self._credit_granted = limits.max_unexpected_bytes  # cumulative eager credit we gave the peer
         self._rtt_s: float | None = None  # smallest kernel RTT over the streams (TCP only)
@@ -137,6 +138,7 @@ class Link:
         self._stop_watchdog()
         await asyncio.gather(*(stream.close(grace) for stream in self._streams))
         registry.unregister(self)
+        self._release()
 
     async def __aenter__(self):
         return self
@@ -346,9 +348,9 @@ class Link:
         """
         if self.error is not None:
             return
-        self.error = exc
         if not self._closing and not self.peer_closed:
-            log.warning("link %s failed: %s", self.name, exc)
+            log.warning("link %s failed: %s", self.name, exc, exc_info=None if isinstance(exc, WanlinkError) else exc)
+        self.error = exc.with_traceback(None)  # its frames would hold this link (and staged chunks) in a cycle
         if isinstance(exc, PeerLost):
             for stream in self._streams:
                 stream.abort()
@@ -359,8 +361,25 @@ class Link:
         self._stop_watchdog()
         self._fail_waiters(exc)
         registry.unregister(self)
+        callbacks, self._failure_callbacks = self._failure_callbacks, []
+        for callback in callbacks:
+            callback(self)
+        if not self._closing:  # (close() releases once its streams said goodbye)
+            self._release()
+
+    def add_failure_callback(self, callback) -> None:
+        """Call ``callback(link)`` once if the link fails (not when closed locally); e.g. to drop it."""
+        self._failure_callbacks.append(callback)
 
     # -- internals --------------------------------------------------------------------------------
+    def _release(self) -> None:
+        """The link is finished: free staged chunks at once and drop the references from its streams
+        back to it, so that it is freed without waiting for Python's cycle collector."""
+        self.reassembler.clear()
+        self._failure_callbacks = []
+        for stream in self._streams:
+            stream.detach()
+
     def _raise_if_failed(self, operation: str) -> None:
         if self.error is not None:
             raise self._lost(self.error, operation)
@@ -443,6 +462,7 @@ class Link:
     def _stop_watchdog(self) -> None:
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
             self._watchdog.cancel()
+            self._watchdog = None  # its CancelledError's traceback holds this link
 
     async def _watch(self) -> None:
         """Ping idle streams, drop silent ones, sample delivery rates."""

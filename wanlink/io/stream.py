@@ -39,7 +39,7 @@ class Stream:
         self.in_flight: dict[tuple[int, int, int], Chunk] = {}
         self.control: list[bytes] = []
         self.wake = asyncio.Event()
-        self.decoder = FrameDecoder(link.place, link.limits)
+        self.decoder = FrameDecoder(link.place, link.limits)  # (the link breaks these cycles: detach())
         loop = asyncio.get_running_loop()
         self.loop = loop
         self.last_rx = self.last_tx = loop.time()
@@ -70,10 +70,18 @@ class Stream:
 
     def _failed(self, exc: BaseException) -> None:
         """Socket errors lose this stream (its chunks are re-sent); anything else fails the link."""
+        link = self.link
+        if link is None:  # the link is finished already
+            return
         if isinstance(exc, (ConnectionError, OSError)):
-            self.link.stream_failed(self, exc)
+            link.stream_failed(self, exc)
         else:  # protocol errors and bugs fail the link, never the loop
-            self.link.fail(exc)
+            link.fail(exc)
+
+    def detach(self) -> None:
+        """Forget the (finished) link, so that nothing here keeps it alive (call once stopped)."""
+        self.link = None
+        self.decoder = None
 
     def _on_readable(self) -> None:
         """Receive until the socket is drained or the read budget is spent; dispatch every frame."""
@@ -94,6 +102,8 @@ class Stream:
                 self.bytes_received += n
                 for event in decoder.advance(n):
                     self._dispatch(event)
+                    if not self._reading:  # the link failed or closed meanwhile
+                        return
         except Exception as exc:  # noqa: BLE001 - see _failed
             self._stop_reading()
             self._failed(exc)
@@ -131,8 +141,7 @@ class Stream:
             self._read_done.set_result(None)
 
     async def _write_loop(self) -> None:
-        link = self.link
-        queue = link.queue
+        queue = self.link.queue  # (no local for the link: a cancelled writer's traceback would keep it alive)
         while True:
             if self.control:
                 frames, self.control = self.control[:MAX_FRAMES_PER_SEND], self.control[MAX_FRAMES_PER_SEND:]
@@ -140,7 +149,7 @@ class Stream:
                 continue
             if self.closing:
                 return
-            chunk = None if link.peer_closed else queue.pop()  # a closing peer reads no more data
+            chunk = None if self.link.peer_closed else queue.pop()  # a closing peer reads no more data
             if chunk is not None:
                 if not chunk.acked:
                     await self._send_chunk(chunk)

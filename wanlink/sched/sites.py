@@ -24,7 +24,8 @@ def check_site_name(name: str, what: str = "site name") -> str:
     if not stripped:
         raise ConfigError(f"{what} is empty")
     if len(stripped.encode()) > MAX_SITE_NAME:
-        raise ConfigError(f"{what} is {len(stripped.encode())} bytes long, more than {MAX_SITE_NAME}: {stripped[:40]!r}...")
+        raise ConfigError(f"{what} is {len(stripped.encode())} bytes long, more than {MAX_SITE_NAME}: "
+                          f"{stripped[:40]!r}...")
     if not stripped.isprintable():
         raise ConfigError(f"{what} has control characters: {stripped!r}")
     return stripped
