@@ -111,6 +111,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("WANLINK_SITE", "site", _site, "unset: `host:` + this machine's boot id and network namespace",
              "this rank's site (any name, up to 128 bytes): ranks of one site share a fast local network, "
              "sites are joined by the WAN; set the same name on every rank of a data centre or cloud region"),
+    Variable("WANLINK_SECURE", "secure", _flag, "0",
+             "1: every frame encrypted and authenticated (AES-256-GCM, keys from the secret); "
+             "a secure server refuses plaintext clients"),
     Variable("WANLINK_COMPRESS", "compress", _flag, "0",
              "1: lz4 per chunk, sent compressed only where that shrinks it"),
     Variable("WANLINK_DIRECT_MAX_BYTES", "direct_max_bytes", _non_negative, "262144",
@@ -138,6 +141,7 @@ class Settings:
     addr: str | None = None
     bind: str | None = None
     site: str | None = None
+    secure: bool = False
     compress: bool = False
     direct_max_bytes: int = 256 * 1024
     piece_bytes: int = 4 * 1024 * 1024

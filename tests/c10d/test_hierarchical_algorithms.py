@@ -180,8 +180,8 @@ def test_reduce_scatter_spreads_the_wan_bytes():
 
     async def member(comm, sites):
         blocks = [data(comm.rank * 10 + k, block) for k in range(4)]
-        reducer = reducer_for("sum", torch.float32, "t")
-        await hierarchical.reduce_scatter(comm, sites, blocks, torch.empty(block), reducer)
+        await hierarchical.reduce_scatter(comm, sites, blocks, torch.empty(block),
+                                          reducer_for("sum", torch.float32, "t"))
         return comm.wan_bytes, comm.wan_received
     # each member's site partial of one remote block out, the other site's partial of its own block in
     assert run_sites(LAYOUTS["2x2"], member) == [(block * 4, block * 4)] * 4

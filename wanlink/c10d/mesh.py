@@ -5,8 +5,8 @@ and under ``wanlink/local/<rank>`` its host key and abstract Unix socket: member
 network namespace) link over Unix sockets instead of TCP loopback (``WANLINK_UNIX=0`` turns that off).
 Under ``wanlink/site/<rank>`` it publishes its site (``WANLINK_SITE``, else its host): the world's
 :class:`~wanlink.sched.sites.SiteMap` (docs/sites.md).
-Links are made at start-up (and re-requested lazily), one per pair of members, and shared by every
-process group of that world: the member with the higher rank connects, the lower one accepts. The shared secret is
+Links are made at start-up (and re-requested lazily), one per pair of members, and shared by
+every process group of that world: the member with the higher rank connects, the lower one accepts. The shared secret is
 ``WANLINK_SECRET`` when set, otherwise made by rank 0 and handed out through the Store (see
 docs/c10d.md for what that means for trust).
 
