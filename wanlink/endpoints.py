@@ -18,7 +18,8 @@ import socket
 import time
 
 from wanlink.errors import ConfigError
-from wanlink.io.link import DEFAULT_TIMEOUT, Link, check_stream_count, open_link
+from wanlink.io.dial import check_stream_count, open_link
+from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.server import AUTH_TIMEOUT, Server, start_server
 from wanlink.io.sockets import is_loopback, log
 from wanlink.probe.chunk import choose_chunk_size
