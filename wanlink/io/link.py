@@ -79,6 +79,7 @@ class Link:
         self.peer = peer
         self.link_id = link_id
         self.peer_meta = peer_meta or {}
+        self.labels: dict = {}  # what the layers above say about this link (rank, site), shown by stats()
         self.limits = limits
         if chunk_size is None and all(is_local_socket(sock) for sock in socks):
             chunk_size = LOOPBACK_CHUNK_SIZE
@@ -585,5 +586,6 @@ class Link:
             "estimated_bps": 8 * (self.delivery.estimate() or 0.0),
             "chunk_size": self.chunk_size,
             "congestion": congestion,
+            **self.labels,
             "error": None if self.error is None else str(self.error),
         }
