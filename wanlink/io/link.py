@@ -418,8 +418,15 @@ class Link:
         if self.error is not None:
             raise self._lost(self.error, operation)
 
+    @property
+    def peer_description(self) -> str:
+        """The peer as the layers above know it: ``rank 2 at host:port (unix)`` where labels say so."""
+        if "peer_rank" not in self.labels:
+            return self.peer
+        return f"rank {self.labels['peer_rank']} at {self.labels.get('peer_address', '?')} ({self.peer})"
+
     def _lost(self, cause: BaseException, what: str) -> PeerLost:
-        error = PeerLost(f"link to {self.peer} failed ({type(cause).__name__}: {cause}); {what}")
+        error = PeerLost(f"link to {self.peer_description} failed ({type(cause).__name__}: {cause}); {what}")
         error.__cause__ = cause
         return error
 
