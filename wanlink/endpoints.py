@@ -204,7 +204,7 @@ async def choose_streams(host: str, port: int, *, secret: bytes | str | None = N
     while (count := ramp.next_streams()) is not None:
         link = await open_link(host, port, streams=count, secret=key, meta=probe_meta, timeout=timeout,
                                chunk_size=settings.chunk_size, congestion=congestion, sock_buffer=sock_buffer,
-                               secure=secure)
+                               secure=secure, reopen=False)  # a server keeps no probe link to re-attach to
         try:
             if rtt is None:
                 rtt = await _rtt(link)
