@@ -18,7 +18,8 @@ import socket
 import time
 
 from wanlink.errors import ConfigError
-from wanlink.io.link import DEFAULT_TIMEOUT, Link, check_stream_count, open_link
+from wanlink.io.dial import check_stream_count, open_link
+from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.server import AUTH_TIMEOUT, Server, start_server
 from wanlink.io.sockets import is_loopback, log
 from wanlink.probe.chunk import choose_chunk_size
@@ -208,7 +209,7 @@ async def choose_streams(host: str, port: int, *, secret: bytes | str | None = N
     while (count := ramp.next_streams()) is not None:
         link = await open_link(host, port, streams=count, secret=key, meta=probe_meta, timeout=timeout,
                                chunk_size=settings.chunk_size, congestion=congestion, sock_buffer=sock_buffer,
-                               secure=secure)
+                               secure=secure, reopen=False)  # a server keeps no probe link to re-attach to
         try:
             if rtt is None:
                 rtt = await _rtt(link)

@@ -199,7 +199,8 @@ async def test_stream_cut_mid_transfer_still_delivers_identical_bytes():
         out = bytearray(len(data))
         await asyncio.wait_for(asyncio.gather(client.send(data, tag=2), accepted.recv_into(out, tag=2)), 60)
         assert out == data
-        assert client.streams_alive == 3 and client.stats()["streams_alive"] == 3
+        await _until(lambda: client.streams_alive == 4 == accepted.streams_alive)  # the dead stream came back
+        assert client.stats()["reconnects"] == 1 == accepted.stats()["reconnects"]
 
 
 async def test_cut_streams_requeue_unacked_chunks():
@@ -212,7 +213,14 @@ async def test_cut_streams_requeue_unacked_chunks():
         proxy.cut(0)
         proxy.resume()
         await asyncio.wait_for(transfer, 30)
-        assert out == data and client.stats()["requeued_chunks"] > 0 and client.streams_alive == 1
+        assert out == data and client.stats()["requeued_chunks"] > 0
+        await _until(lambda: client.streams_alive == 2)
+
+
+async def _until(condition, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)
 
 
 async def test_all_streams_cut_fails_pending_operations_with_details():
@@ -570,3 +578,10 @@ async def test_server_close_leaves_no_registration_on_a_descriptor_it_closed():
         for sock in opened:
             sock.close()
     await server.wait_closed()
+
+
+async def test_errors_name_the_rank_the_layers_above_labelled(pair):
+    pair.client.labels.update(peer_rank=2, peer_address="10.0.0.9:29500")
+    await pair.accepted.close()
+    with pytest.raises(PeerLost, match=r"link to rank 2 at 10\.0\.0\.9:29500 \(127\.0\.0\.1:\d+\) failed"):
+        await asyncio.wait_for(pair.client.recv_into(bytearray(4), tag=9), 30)

@@ -42,7 +42,11 @@ class FaultProxy:
         return self
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:  # the target is gone (or ``target_port`` was pointed nowhere): so is this connection
+            writer.transport.abort()
+            return
         pipe = _Pipe(writer, up_writer)
         index = len(self.pipes)
         self.pipes.append(pipe)

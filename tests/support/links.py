@@ -31,14 +31,15 @@ async def open_pair(streams=4, *, port=None, server_options=None, **client_optio
 
 
 @contextlib.asynccontextmanager
-async def proxied_pair(streams: int, *, timeout: float = 10.0):
+async def proxied_pair(streams: int, *, timeout: float = 10.0, **client_options):
     """(proxy, client, accepted): a link whose every stream runs through a FaultProxy."""
     links: asyncio.Queue = asyncio.Queue()
     server = await wanlink.serve("127.0.0.1", 0, secret=SECRET, on_link=links.put_nowait, timeout=timeout)
     proxy = await FaultProxy(server.port).start()
     opened = []
     try:
-        opened.append(await wanlink.connect("127.0.0.1", proxy.port, streams=streams, secret=SECRET, timeout=timeout))
+        opened.append(await wanlink.connect("127.0.0.1", proxy.port, streams=streams, secret=SECRET, timeout=timeout,
+                                            **client_options))
         opened.append(await asyncio.wait_for(links.get(), 5))
         yield proxy, opened[0], opened[1]
     finally:

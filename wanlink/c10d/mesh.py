@@ -41,6 +41,7 @@ LOCAL_KEY = "wanlink/local/{rank}"
 SITE_KEY = "wanlink/site/{rank}"
 SECRET_KEY = "wanlink/secret"
 WORLD_KEY = "wanlink/world"
+SIZE_KEY = "wanlink/size/{rank}"  # the world size each rank was started with
 
 
 def _root_store(store: dist.Store) -> dist.Store:
@@ -95,12 +96,16 @@ def shared_secret(store: dist.Store, rank: int, timeout: timedelta, configured: 
     return _store_get(store, SECRET_KEY, timeout)
 
 
-def _store_get(store: dist.Store, key: str, timeout: timedelta) -> bytes:
+def _store_get(store: dist.Store, key: str, timeout: timedelta, waiting_for: str = "") -> bytes:
+    what = f"{waiting_for} (key {key!r})" if waiting_for else f"key {key!r}"
     try:
         store.wait([key], timeout)
+    except dist.DistNetworkError as error:  # the Store's server is gone: waiting longer cannot help
+        raise PeerLost(f"wanlink rendezvous lost the torch Store (its server, rank 0's unless MASTER_ADDR says "
+                       f"otherwise, is unreachable) while waiting for {what}: {error}") from error
     except RuntimeError as error:  # torch reports store timeouts as RuntimeError/DistStoreError
-        raise DeadlineExceeded(f"wanlink rendezvous timed out after {timeout.total_seconds():g} s: "
-                               f"key {key!r} not published") from error
+        raise DeadlineExceeded(f"wanlink rendezvous timed out after {timeout.total_seconds():g} s "
+                               f"waiting for {what}") from error
     return store.get(key)
 
 
@@ -113,6 +118,7 @@ class Mesh:
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, settings: Settings):
         self.rank, self.size, self.timeout = rank, size, timeout
+        store.set(SIZE_KEY.format(rank=rank), str(size))  # first: a rank that disagrees fails at once
         self.settings = settings  # streams, chunk size, compression (lz4 per chunk where it shrinks), ...
         self.runtime = get_runtime()
         self.secret = shared_secret(store, rank, timeout, settings.secret)
@@ -145,7 +151,12 @@ class Mesh:
         store.set(LOCAL_KEY.format(rank=rank), f"{host_key} {self.server.unix_name or ''}")
         store.set(SITE_KEY.format(rank=rank), self.site)
         for peer in range(self.size):
-            address = _store_get(store, ADDRESS_KEY.format(rank=peer), timeout).decode()
+            joined = f"rank {peer} of {self.size} to join"
+            theirs = _store_get(store, SIZE_KEY.format(rank=peer), timeout, joined).decode()
+            if theirs != str(self.size):
+                raise ConfigError(f"wanlink rendezvous: world size mismatch: rank {rank} was started with "
+                                  f"world size {self.size}, rank {peer} with {theirs}")
+            address = _store_get(store, ADDRESS_KEY.format(rank=peer), timeout, joined).decode()
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"wanlink rendezvous: rank {peer} published a malformed address {address!r} "
@@ -222,6 +233,8 @@ class Mesh:
     def _hold(self, peer: int, slot: asyncio.Future, link) -> None:
         """Hand out ``link`` for ``peer`` until it fails; then drop it (freeing what it staged) and
         answer later requests with the reason."""
+        host, port = self.addresses.get(peer, ("?", 0))
+        link.labels.update(peer_rank=peer, peer_address=f"{host}:{port}")  # errors and stats name the rank
         slot.set_result(link)
         link.add_failure_callback(lambda failed: self._drop(peer, failed))
 
@@ -232,7 +245,9 @@ class Mesh:
         if slot.result() is not link:
             return
         failed = link.loop.create_future()
-        failed.set_exception(PeerLost(f"wanlink: the link rank {self.rank} <-> rank {peer} failed: {link.error}"))
+        host, port = self.addresses.get(peer, ("?", 0))
+        failed.set_exception(PeerLost(f"wanlink: the link rank {self.rank} <-> rank {peer} (at {host}:{port}) "
+                                      f"failed: {link.error}"))
         failed.exception()  # retrieved: nobody need ask
         self._links[peer] = failed
 

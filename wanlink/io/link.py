@@ -3,17 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
-import random
 import socket
 
-from wanlink.errors import (
-    ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, ServerBusy, WanlinkError,
-)
+from wanlink.errors import ConfigError, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly,
-    tcp_bytes_acked, tcp_rtt_s, unix_address,
+    close_quietly, congestion_of, is_local_socket, log, tcp_bytes_acked, tcp_rtt_s,
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
@@ -21,13 +16,11 @@ from wanlink.proto.flow import SendFlow, eager_window
 from wanlink.proto.frames import (
     PING_FRAME, FrameType, Header, announce_frame, control_header, credit_frame, grant_frame,
 )
-from wanlink.proto.handshake import ClientHandshake, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
-from wanlink.proto.seal import stream_keys
 from wanlink.probe.rate import DeliveryRateEstimator
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
-from wanlink.sched.edf import EDFQueue, check_chunk_order
+from wanlink.sched.edf import EDFQueue
 
 DEFAULT_TIMEOUT = 30.0
 LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
@@ -36,7 +29,6 @@ There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; else
 picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
 ABORT_GRACE_S = 1.0  # how long a failing link tries to deliver its ABORT before closing
-BUSY_BACKOFF_S = (0.02, 1.0)  # a stream the server refused BUSY retries after 20 ms, doubling up to 1 s (jittered)
 _INT64 = (-(2**63), 2**63 - 1)
 _LINK_FAILED = object()  # queued to wake control readers when the link fails
 
@@ -77,9 +69,10 @@ class Link:
 
     def __init__(self, socks: list[socket.socket], *, peer: str, link_id: bytes, peer_meta: dict | None = None,
                  limits: Limits = DEFAULT_LIMITS, chunk_size: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 compress: bool = False, checksum: bool = False, keys: list | None = None,
+                 compress: bool = False, checksum: bool = False, keys: list | None = None, dialer=None,
                  chunk_order: str = "edf"):
-        """``keys``: per stream, the (send, receive) keys its handshake derived (``secure=True``);
+        """``keys``: per stream, the (send, receive) keys its handshake derived (``secure=True``).
+        ``dialer``: what opened the streams (``wanlink.io.dial.Dialer``), to re-open one that dies.
         ``chunk_order``: "edf" (deadline first) or "fcfs" (arrival order) for what this side sends."""
         if not socks:
             raise ConfigError("a link needs at least one stream")
@@ -103,6 +96,9 @@ class Link:
         self.error: BaseException | None = None
         self.requeued_chunks = 0
         self.duplicate_acks = 0
+        self.reconnects = 0  # streams re-opened (by us) or re-attached (by the peer) under this link id
+        self._dialer = dialer
+        self._reopening: dict[int, asyncio.Task] = {}
         self.loop = asyncio.get_running_loop()
         keys = keys or [None] * len(socks)
         self.secure = all(key is not None for key in keys)
@@ -146,6 +142,7 @@ class Link:
             self.error = PeerLost(f"link to {self.peer} closed locally")
             self._fail_waiters(self.error)
         self._stop_watchdog()
+        self._stop_reopening()
         await asyncio.gather(*(stream.close(grace) for stream in self._streams))
         registry.unregister(self)
         self._release()
@@ -336,19 +333,47 @@ class Link:
             if self.streams_alive == 0:
                 self.fail(PeerLost(f"{self.peer} closed the link"))
             return
+        unacked = self._salvage(stream)
+        alive = self.streams_alive
+        log.warning("stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
+                    stream.index, self.name, exc, unacked, alive)
+        if alive == 0:
+            reason = exc if isinstance(exc, PeerLost) else PeerLost(f"all {self.streams} streams died; last: {exc}")
+            self.fail(reason)
+            return
+        self._wake_writers()
+        if self._dialer is not None and stream.index not in self._reopening:
+            task = self.loop.create_task(self._dialer.reopen(self, stream.index),
+                                         name=f"wanlink-reopen-{stream.index}-{self.name}")
+            self._reopening[stream.index] = task
+            task.add_done_callback(lambda _task, index=stream.index: self._reopening.pop(index, None))
+
+    def replace_stream(self, index: int, sock: socket.socket, keys: tuple | None) -> None:
+        """Stream ``index`` runs on ``sock`` from now on: re-opened by us, or by the peer (a server
+        re-attaching an authenticated stream of this link id); one still alive here is replaced."""
+        if self.closed:
+            close_quietly(sock)
+            return
+        old = self._streams[index]
+        self._streams[index] = Stream(self, sock, index, keys)
+        if old.alive:  # dead to the peer, which re-opened it
+            old.abort()
+            self._salvage(old)
+        old.detach()
+        self._streams[index].start()
+        self.reconnects += 1
+        self._repeat_flow_frames()
+        self._wake_writers()
+
+    def _salvage(self, stream: Stream) -> int:
+        """Re-queue a dead stream's unacknowledged chunks (in deadline order, like any chunk) and repeat
+        the flow frames it may have lost; returns how many chunks."""
         unacked = stream.take_unacked()
         for chunk in unacked:
             self.queue.push(chunk)
         self.requeued_chunks += len(unacked)
         self._repeat_flow_frames()
-        alive = self.streams_alive
-        log.warning("stream %d of %s died (%s); %d chunks re-queued on %d surviving streams",
-                    stream.index, self.name, exc, len(unacked), alive)
-        if alive == 0:
-            reason = exc if isinstance(exc, PeerLost) else PeerLost(f"all {self.streams} streams died; last: {exc}")
-            self.fail(reason)
-        else:
-            self._wake_writers()
+        return len(unacked)
 
     def fail(self, exc: BaseException) -> None:
         """Fail the link: close every stream and fail every pending operation with PeerLost.
@@ -369,6 +394,7 @@ class Link:
             for stream in self._streams:
                 stream.abort_saying(frame, ABORT_GRACE_S)
         self._stop_watchdog()
+        self._stop_reopening()
         self._fail_waiters(exc)
         registry.unregister(self)
         callbacks, self._failure_callbacks = self._failure_callbacks, []
@@ -394,8 +420,15 @@ class Link:
         if self.error is not None:
             raise self._lost(self.error, operation)
 
+    @property
+    def peer_description(self) -> str:
+        """The peer as the layers above know it: ``rank 2 at host:port (unix)`` where labels say so."""
+        if "peer_rank" not in self.labels:
+            return self.peer
+        return f"rank {self.labels['peer_rank']} at {self.labels.get('peer_address', '?')} ({self.peer})"
+
     def _lost(self, cause: BaseException, what: str) -> PeerLost:
-        error = PeerLost(f"link to {self.peer} failed ({type(cause).__name__}: {cause}); {what}")
+        error = PeerLost(f"link to {self.peer_description} failed ({type(cause).__name__}: {cause}); {what}")
         error.__cause__ = cause
         return error
 
@@ -468,6 +501,11 @@ class Link:
             stream = self._streams[(self._wake_start + i) % count]
             if stream.alive:
                 stream.wake.set()
+
+    def _stop_reopening(self) -> None:
+        for task in list(self._reopening.values()):
+            if task is not asyncio.current_task():
+                task.cancel()
 
     def _stop_watchdog(self) -> None:
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
@@ -546,6 +584,7 @@ class Link:
             "chunks_sent_per_stream": [s.chunks_sent for s in streams],
             "chunks_received_per_stream": [s.chunks_received for s in streams],
             "requeued_chunks": self.requeued_chunks,
+            "reconnects": self.reconnects,
             "duplicate_chunks": self.reassembler.duplicate_chunks,
             "duplicate_acks": self.duplicate_acks,
             "unexpected_bytes_held": self.reassembler.unexpected_bytes,
@@ -559,114 +598,3 @@ class Link:
             **self.labels,
             "error": None if self.error is None else str(self.error),
         }
-
-
-async def cancel_and_wait(tasks: list[asyncio.Task]) -> None:
-    """Cancel ``tasks`` and return once every one has ended; a cancellation of the caller meanwhile
-    is re-raised only then."""
-    for task in tasks:
-        task.cancel()
-    cancelled = False
-    while not all(task.done() for task in tasks):
-        try:
-            await asyncio.wait(tasks)
-        except asyncio.CancelledError:
-            cancelled = True
-    for task in tasks:
-        if not task.cancelled():
-            task.exception()  # retrieved: a stream's own failure is already the reason we are here
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-def check_stream_count(streams) -> int:
-    """``streams`` when it is an int in [1, max_streams]; ConfigError otherwise."""
-    if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= DEFAULT_LIMITS.max_streams:
-        raise ConfigError(f"streams must be an int in [1, {DEFAULT_LIMITS.max_streams}], got {streams!r}")
-    return streams
-
-
-async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, meta: dict | None = None,
-                    timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None, congestion: str | None = None,
-                    sock_buffer: int | None = None, compress: bool = False, checksum: bool = False,
-                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None, secure: bool = False,
-                    chunk_order: str = "edf") -> Link:
-    """Open a Link of exactly ``streams`` TCP streams to a wanlink server and authenticate each one.
-
-    Everything is resolved already (``wanlink.connect`` probes the path and reads the settings):
-    ``chunk_size`` None is 4 MiB over loopback or Unix sockets, else the transport's default.
-    ``timeout`` bounds the connection set-up (a stream the server refuses BUSY is retried with
-    backoff meanwhile) and is the link's silence timeout afterwards.
-    ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
-    namespace only); the streams are then Unix sockets. ``secure``: every frame encrypted and
-    authenticated (AES-256-GCM, keys from the secret and each stream's handshake).
-    ``chunk_order``: "edf" (deadline first) or "fcfs" (arrival order) for what this side sends.
-    """
-    count = check_stream_count(streams)
-    check_chunk_order(chunk_order)
-    chunk_size_from(chunk_size)  # a bad size fails before connecting
-    key = normalize_secret(secret)
-    if secure and not key:
-        raise ConfigError("secure=True needs a shared secret (WANLINK_SECRET): keys derive from it")
-    if not key:
-        log.warning("connecting to %s:%s without authentication (empty secret)", host, port)
-    loop = asyncio.get_running_loop()
-    link_id = os.urandom(16)
-    socks: list[socket.socket | None] = [None] * count
-    keys: list[tuple[bytes, bytes] | None] = [None] * count
-
-    busy_refusals = 0
-
-    async def open_stream(index: int) -> None:
-        nonlocal busy_refusals
-        delay = BUSY_BACKOFF_S[0]
-        while True:
-            try:
-                return await attempt_stream(index)
-            except ServerBusy:
-                busy_refusals += 1
-                close_quietly(socks[index])
-                socks[index] = None
-                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-                delay = min(2 * delay, BUSY_BACKOFF_S[1])
-
-    async def attempt_stream(index: int) -> None:
-        if unix_name is not None:
-            family, proto, address, peer_host = socket.AF_UNIX, 0, unix_address(unix_name), None
-        else:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            family, _type, proto, _name, address = infos[0]
-            peer_host = address[0]
-        sock = socket.socket(family, socket.SOCK_STREAM, proto)
-        socks[index] = sock
-        configure_stream_socket(sock, congestion=congestion, buffer_bytes=sock_buffer, peer_host=peer_host)
-        await loop.sock_connect(sock, address)
-        handshake = ClientHandshake(key, link_id, index, count, meta, limits=limits, secure=secure)
-        await loop.sock_sendall(sock, handshake.hello())
-        while handshake.bytes_wanted():
-            reply = handshake.receive(await recv_exactly(loop, sock, handshake.bytes_wanted()))
-            if reply:
-                await loop.sock_sendall(sock, reply)
-        if secure:
-            keys[index] = stream_keys(key, *handshake.transcript(), client=True)
-
-    tasks = [loop.create_task(open_stream(i), name=f"wanlink-connect-{i}") for i in range(count)]
-    try:
-        async with asyncio.timeout(timeout):
-            await asyncio.gather(*tasks)
-    except BaseException as exc:
-        # the other streams may still wait on their sockets: closing a socket under a pending read
-        # breaks the event loop's bookkeeping for its descriptor, so end every task first
-        await cancel_and_wait(tasks)
-        for sock in socks:
-            if sock is not None:
-                close_quietly(sock)
-        if isinstance(exc, TimeoutError) and not isinstance(exc, DeadlineExceeded):
-            busy = f" (the server answered BUSY {busy_refusals} times)" if busy_refusals else ""
-            raise DeadlineExceeded(f"connecting to {host}:{port} took more than {timeout:g} s{busy}") from None
-        if isinstance(exc, OSError) and not isinstance(exc, WanlinkError):
-            raise PeerLost(f"cannot connect to {host}:{port}: {exc}") from exc
-        raise
-    peer = f"{host}:{port}" if unix_name is None else f"unix:{unix_name}"
-    return Link(socks, peer=peer, link_id=link_id, limits=limits, chunk_size=chunk_size,
-                timeout=timeout, compress=compress, checksum=checksum, keys=keys, chunk_order=chunk_order).start()

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import inspect
 import socket
+import weakref
 
 from wanlink.errors import (
     AuthenticationError, ConfigError, LocalProtocolError, PeerLost, RemoteProtocolError, WanlinkError,
@@ -68,6 +69,7 @@ class Server:
         self._pending: dict[bytes, _PendingLink] = {}
         self._handlers: set[asyncio.Task] = set()
         self._callbacks: set[asyncio.Task] = set()  # async on_link calls: they hold no handshake slot
+        self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # link id -> Link handed out
         self._probe_links: set[Link] = set()  # probe traffic only: kept here, never shown to on_link
         self._accept_tasks: dict[socket.socket, asyncio.Task] = {}  # listener -> its accept loop
         self.host, self.port = listener.getsockname()[:2]
@@ -152,8 +154,9 @@ class Server:
             reply, data = handshake.receive(data), b""
         self.handshakes.spoke(attempt)
         hello = handshake.stream
-        pending = self._pending.get(hello.link_id)
-        status = Status.INSECURE if self._require_secure and not hello.secure else self._admission(hello, pending)
+        pending, live = self._pending.get(hello.link_id), self._live_link(hello.link_id)
+        status = (Status.INSECURE if self._require_secure and not hello.secure
+                  else self._admission(hello, pending, live))
         if status is not Status.OK:
             await loop.sock_sendall(sock, handshake.reject(status))
             raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
@@ -163,20 +166,23 @@ class Server:
         except AuthenticationError:
             await loop.sock_sendall(sock, handshake.reject_bytes)
             raise
-        pending = self._pending.get(hello.link_id)
-        status = self._admission(hello, pending)
+        pending, live = self._pending.get(hello.link_id), self._live_link(hello.link_id)
+        status = self._admission(hello, pending, live)
         if status is not Status.OK:
             await loop.sock_sendall(sock, bytes([status]))
             raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
         self.handshakes.remove(attempt)  # authenticated: no longer evictable
         await loop.sock_sendall(sock, result)
+        keys = stream_keys(self._secret, *handshake.transcript(), client=False) if hello.secure else None
+        if live is not None:  # the client re-opened a stream of a link it has
+            live.replace_stream(hello.index, sock, keys)
+            return None
         if pending is None:
             pending = _PendingLink(hello.count)
             pending.expiry = loop.call_later(self._timeout, self._expire, hello.link_id)
             self._pending[hello.link_id] = pending
         pending.socks[hello.index] = sock
-        pending.keys[hello.index] = (stream_keys(self._secret, *handshake.transcript(), client=False)
-                                     if hello.secure else None)
+        pending.keys[hello.index] = keys
         if hello.index == 0:
             pending.meta, pending.peer = hello.meta, peer
         if len(pending.socks) < pending.count:
@@ -185,7 +191,13 @@ class Server:
         pending.expiry.cancel()
         return hello.link_id, pending
 
-    def _admission(self, hello, pending: _PendingLink | None) -> Status:
+    def _live_link(self, link_id: bytes) -> Link | None:
+        link = self._live.get(link_id)
+        return link if link is not None and not link.closed else None
+
+    def _admission(self, hello, pending: _PendingLink | None, live: Link | None) -> Status:
+        if live is not None:
+            return Status.OK if hello.count == live.streams and hello.secure == live.secure else Status.BAD_STREAM
         if pending is None:
             return Status.BUSY if len(self._pending) >= self._limits.max_pending_links else Status.OK
         if pending.count != hello.count or hello.index in pending.socks:
@@ -212,6 +224,7 @@ class Server:
         if link.peer_meta.get(PROBE_META_KEY):  # the transport drops probe data; the prober closes the link
             self._probe_links.add(link)
             return
+        self._live[link_id] = link
         try:
             result = self._on_link(link)
         except Exception as exc:  # noqa: BLE001 - a failing callback must not take the server down
