@@ -7,8 +7,9 @@ reports its RSS before, after the barrage, and after ``gc.collect()`` (what a cy
 would still have freed).
 
     python3 dev.py bench bench/barrage_rss.py [--loops asyncio uvloop] [--garbage 20000] [--handshakes 3000]
+        [--name barrage_rss] [--out DIR | --publish]
 
-Writes bench/results/barrage_rss.{json,png} (``--name`` to change).
+Writes barrage_rss.{json,png} (bench/results/ with --publish).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.reporting import new_figure, print_table, save_figure, save_json
+from bench.reporting import Run, add_output_options, new_figure, print_table
 
 SECRET = b"barrage"
 MiB = 1 << 20
@@ -187,15 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--garbage", type=int, default=20_000)
     parser.add_argument("--handshakes", type=int, default=3_000)
     parser.add_argument("--name", default="barrage_rss")
+    add_output_options(parser)
     args = parser.parse_args(argv)
-    load_before = os.getloadavg()
+    bench_run = Run(args)
     rows = [run(loop, args.garbage, args.handshakes) for loop in args.loops]
-    print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
+    header = bench_run.header()
+    print(f"load average before {header['load_before'][0]:.2f}, after {header['load_after'][0]:.2f}")
     print_table(rows, [("loop", "loop", ""), ("start_rss_mib", "RSS at start (MiB)", ".0f"),
                        ("after_rss_mib", "after barrage (MiB)", ".0f"),
                        ("after_gc_rss_mib", "after gc.collect() (MiB)", ".0f"), ("links_open", "links open", "d")])
-    save_json(args.name, {"garbage": args.garbage, "handshakes": args.handshakes, "malformed": 30,
-                          "legit_bytes": LEGIT_BYTES, "rows": rows})
+    print("wrote", bench_run.save_json(args.name, {"garbage": args.garbage, "handshakes": args.handshakes,
+                                                   "malformed": 30, "legit_bytes": LEGIT_BYTES, "rows": rows}))
     figure, axis = new_figure(figsize=(6, 3.5))
     for offset, (key, label) in enumerate((("start_rss_mib", "start"), ("after_rss_mib", "after barrage"),
                                            ("after_gc_rss_mib", "after gc.collect()"))):
@@ -203,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     axis.set_xticks(range(len(rows)), [row["loop"] for row in rows])
     axis.set_ylabel("server RSS (MiB)")
     axis.legend()
-    save_figure(figure, args.name)
-    print(f"wrote bench/results/{args.name}.{{json,png}}")
+    print("wrote", bench_run.save_figure(figure, args.name))
     return 0
 
 

@@ -8,9 +8,9 @@ its call. For wanlink the table also shows the most bytes any link staged (its b
 WANLINK_STAGING_BYTES, 128 MiB by default).
 
     python3 dev.py bench bench/late_receiver.py [--late 5 30 120] [--send-mib 1536]
-        [--all-reduce-mib 2304] [--all-reduce-late 6] [--ranks 2] [--backends wanlink gloo]
+        [--all-reduce-mib 2304] [--all-reduce-late 6] [--ranks 2] [--backends wanlink gloo] [--out DIR | --publish]
 
-Writes bench/results/late_receiver.{json,png}.
+Writes late_receiver.{json,png} (bench/results/ with --publish).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.reporting import new_figure, print_table, save_figure, save_json
+from bench.reporting import Run, add_output_options, colours, legend_outside, new_figure, print_table
 
 MiB = 1 << 20
 
@@ -110,32 +110,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="world sizes of the all_reduce case")
     parser.add_argument("--backends", nargs="+", default=["wanlink", "gloo"], choices=["wanlink", "gloo"])
     parser.add_argument("--name", default="late_receiver")
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    run = Run(args)
     cases = [("send", 2, args.send_mib, late) for late in args.late]
     cases += [("all_reduce", world, args.all_reduce_mib, args.all_reduce_late) for world in args.ranks]
-    load_before = os.getloadavg()
     rows = []
     for case, world, mib, late in cases:
         for backend in args.backends:
             print(f"{case} {mib} MiB, {world} ranks, last rank {late:g} s late, {backend} ...", flush=True)
             for result in run_case(backend, case, world, mib * MiB, late):
                 rows.append({"case": case, "MiB": mib, "ranks": world, "late_s": late, "backend": backend, **result})
-    load_after = os.getloadavg()
-    print(f"\nloopback, {os.cpu_count()} CPUs; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    header = run.header()
+    print(f"\nloopback, {os.cpu_count()} CPUs; load average before {header['load_before'][0]:.2f}, "
+          f"after {header['load_after'][0]:.2f}")
     print_table(rows, [("case", "case", ""), ("MiB", "MiB", "d"), ("ranks", "ranks", "d"), ("late_s", "late (s)", "g"),
                        ("backend", "backend", ""), ("rank", "rank", "d"), ("seconds", "time (s)", ".1f"),
                        ("peak_rss_mib", "peak RSS (MiB)", ".0f"), ("staged_peak_mib", "staged peak (MiB)", ".0f"),
                        ("exact", "exact", ""), ("error", "error", "")])
-    save_json(args.name, {"load_average_before": load_before, "load_average_after": load_after, "rows": rows})
-    plot(rows, args.name)
-    print(f"wrote bench/results/{args.name}.{{json,png}}")
+    print("wrote", run.save_json(args.name, {"rows": rows}))
+    print("wrote", plot(run, rows, args.name))
     return 0 if all(row.get("exact") for row in rows) else 1
 
 
-def plot(rows: list[dict], name: str) -> None:
+def plot(run: Run, rows: list[dict], name: str) -> Path:
     cases = sorted({(r["case"], r["ranks"], r["late_s"]) for r in rows}, key=lambda c: (c[0] != "send", c[1], c[2]))
     figure, (time_axis, rss_axis) = new_figure(1, 2, figsize=(12, 4))
     width = 0.8 / 2
+    palette = colours(["wanlink", "gloo"])
     for offset, backend in enumerate(("wanlink", "gloo")):
         times, rss = [], []
         for case in cases:
@@ -144,15 +146,15 @@ def plot(rows: list[dict], name: str) -> None:
             times.append(max((r["seconds"] for r in ranks), default=0))
             rss.append(max((r["peak_rss_mib"] for r in ranks if r["late"]), default=0))
         positions = [i + (offset - 0.5) * width for i in range(len(cases))]
-        time_axis.bar(positions, times, width, label=backend)
-        rss_axis.bar(positions, rss, width, label=backend)
+        time_axis.bar(positions, times, width, label=backend, color=palette[backend])
+        rss_axis.bar(positions, rss, width, label=backend, color=palette[backend])
     labels = [f"{case}\n{ranks} ranks, {late:g} s late" for case, ranks, late in cases]
     for axis, title in ((time_axis, "time to finish, slowest rank (s)"), (rss_axis, "late rank's peak RSS (MiB)")):
         axis.set_xticks(range(len(cases)), labels, fontsize=8)
         axis.set_title(title)
-        axis.legend()
         axis.grid(axis="y", alpha=0.3)
-    save_figure(figure, name)
+    legend_outside(rss_axis)
+    return run.save_figure(figure, name)
 
 
 if __name__ == "__main__":
