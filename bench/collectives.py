@@ -1,97 +1,136 @@
 """Collective bench: wanlink against gloo over loopback, nccl-tests style columns.
 
-For world sizes 2 and 4 and message sizes 4 MiB .. 256 MiB, times all_reduce, broadcast and
-all_gather on a wanlink default group and a gloo group of the same processes, in the same run.
-Columns follow nccl-tests: ``size`` is the per-rank buffer (all_gather: the gathered output),
-``time`` the slowest rank's mean, ``algbw = size / time`` and ``busbw`` algbw scaled by the
-op's bus factor (all_reduce 2(n-1)/n, all_gather (n-1)/n, broadcast 1).
+For world sizes 2 and 4 and sizes from 64 KiB to 256 MiB, times all_reduce, broadcast, all_gather
+and reduce_scatter on a wanlink default group and a gloo group of the same processes, in the same
+run. The two backends' iterations alternate, so load swings on a shared machine hit both alike.
+Every iteration starts right after a barrier on a third (gloo) group, outside the timed region;
+an iteration's time is its slowest rank's. Columns follow nccl-tests: ``size`` is the per-rank
+buffer (all_gather: the gathered output; reduce_scatter: the input), time percentiles p50 / p90
+over the iterations, ``algbw = size / p50`` and ``busbw`` algbw times the op's bus factor
+(all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). ``gloo/wanlink`` is
+the ratio of the p50 times: above 1, wanlink is faster.
 
-    python bench/collectives.py [--worlds 2 4] [--sizes-mib 4 16 64 256] [--iters 3]
+    python bench/collectives.py [--worlds 2 4] [--sizes 64K 1M 4M 16M 64M 256M] [--iters 40]
 
-Writes bench/results/collectives.{txt,json,png}.
+Writes collectives.{txt,json,png} to --out (bench/results/ with --publish).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
-MiB = 1 << 20
-RESULTS = Path(__file__).resolve().parent / "results"
-OPS = ("all_reduce", "broadcast", "all_gather")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.reporting import Run, add_output_options, colours, legend_outside, new_figure
+
+KiB, MiB = 1 << 10, 1 << 20
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+BACKENDS = ("wanlink", "gloo")
 
 
 def bus_factor(op: str, world: int) -> float:
-    return {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world, "broadcast": 1.0}[op]
+    return {"all_reduce": 2 * (world - 1) / world, "broadcast": 1.0}.get(op, (world - 1) / world)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def parse_size(text: str) -> int:
+    """``64K``, ``4M``, ``1G`` or a byte count."""
+    units = {"K": KiB, "M": MiB, "G": 1 << 30}
+    suffix = text[-1:].upper()
+    return int(text[:-1]) * units[suffix] if suffix in units else int(text)
 
 
-def time_op(op: str, nbytes: int, group, iters: int) -> float:
-    """Mean seconds of ``op`` on ``nbytes`` (per nccl-tests' size convention), slowest rank."""
+def show_size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def iterations(nbytes: int, iters: int) -> int:
+    """``iters`` up to 16 MiB, proportionally fewer above (at least 5)."""
+    return max(5, min(iters, iters * 16 * MiB // nbytes))
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
+
+
+def make_call(op: str, nbytes: int, group):
+    """A function running ``op`` once on ``nbytes`` (nccl-tests' size convention) in ``group``."""
     import torch
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    numel = nbytes // 4
+    numel = nbytes // 4 // world * world
     if op == "all_gather":
-        output = torch.empty(numel // world * world)
-        source = torch.ones(numel // world)
-        run = lambda: dist.all_gather_into_tensor(output, source, group=group)  # noqa: E731
-    else:
-        tensor = torch.ones(numel)
-        run = (lambda: dist.all_reduce(tensor, group=group)) if op == "all_reduce" else \
-            (lambda: dist.broadcast(tensor, group_src=0, group=group))
-    run()  # warm-up (links, buffers)
-    dist.barrier(group=group)
-    started = time.perf_counter()
+        output, source = torch.empty(numel), torch.ones(numel // world)
+        return lambda: dist.all_gather_into_tensor(output, source, group=group)
+    if op == "reduce_scatter":
+        output, source = torch.empty(numel // world), torch.ones(numel)
+        return lambda: dist.reduce_scatter_tensor(output, source, group=group)
+    tensor = torch.ones(numel)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(tensor, group=group)
+    return lambda: dist.broadcast(tensor, group_src=0, group=group)
+
+
+def time_point(op: str, nbytes: int, groups: dict, sync, iters: int) -> dict[str, list[float]]:
+    """Per backend, every iteration's time (seconds, slowest rank), iterations alternating."""
+    import torch
+    import torch.distributed as dist
+
+    calls = {backend: make_call(op, nbytes, group) for backend, group in groups.items()}
+    for call in calls.values():
+        call()  # warm-up: links, buffers
+    mine = {backend: [] for backend in calls}
     for _ in range(iters):
-        run()
-    elapsed = torch.tensor([(time.perf_counter() - started) / iters], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed.item()
+        for backend, call in calls.items():
+            dist.barrier(group=sync)
+            started = time.perf_counter()
+            call()
+            mine[backend].append(time.perf_counter() - started)
+    slowest = {}
+    for backend, times in mine.items():
+        gathered = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(gathered, op=dist.ReduceOp.MAX, group=sync)
+        slowest[backend] = gathered.tolist()
+    return slowest
 
 
-def bench_rank(rank, world, port, sizes, iters, queue) -> None:
+def bench_rank(rank, world, store_path, sizes, iters, queue) -> None:
     try:
         import torch
         import torch.distributed as dist
 
-        import wanlink  # noqa: F401
+        import wanlink  # noqa: F401 - registers the backend
 
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
-        dist.init_process_group("wanlink", store=store, rank=rank, world_size=world,
+        dist.init_process_group("wanlink", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=600))
         groups = {"wanlink": None, "gloo": dist.new_group(backend="gloo")}
+        sync = dist.new_group(backend="gloo")
         rows = []
         for op in OPS:
             for size in sizes:
-                for backend, group in groups.items():
-                    seconds = time_op(op, size, group, iters)
-                    algbw = size / seconds / 1e9
-                    rows.append({"op": op, "world": world, "backend": backend, "bytes": size, "time_s": seconds,
-                                 "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, world)})
-                    if rank == 0:
-                        print(f"  n={world} {op:<10} {size // MiB:>4} MiB {backend:<7} {seconds * 1e3:9.1f} ms",
-                              flush=True)
+                count = iterations(size, iters)
+                for backend, times in time_point(op, size, groups, sync, count).items():
+                    ordered = sorted(times)
+                    p50 = percentile(ordered, 0.5)
+                    algbw = size / p50 / 1e9
+                    rows.append({"op": op, "world": world, "backend": backend, "bytes": size, "iters": count,
+                                 "p50_s": p50, "p90_s": percentile(ordered, 0.9), "min_s": ordered[0],
+                                 "mean_s": sum(times) / len(times), "algbw_GBps": algbw,
+                                 "busbw_GBps": algbw * bus_factor(op, world)})
+                if rank == 0:
+                    p50 = {row["backend"]: row["p50_s"] for row in rows[-2:]}
+                    print(f"  n={world} {op:<14} {show_size(size):>8}  p50 wanlink {p50['wanlink'] * 1e3:8.2f} ms"
+                          f"  gloo {p50['gloo'] * 1e3:8.2f} ms", flush=True)
         if rank == 0:
-            import wanlink as wl
-
-            rows.append({"link_stats": wl.stats()})
             queue.put(rows)
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 - reported to the parent as a failed world
         import traceback
 
         traceback.print_exc()
@@ -106,89 +145,84 @@ def run_world(world: int, sizes: list[int], iters: int) -> list[dict]:
 
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
-    processes = [context.Process(target=bench_rank, args=(rank, world, port, sizes, iters, queue))
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    rows = queue.get(timeout=3600)
-    for process in processes:
-        process.join(60)
-        if process.is_alive():
-            process.kill()
+    with tempfile.TemporaryDirectory(prefix="wanlink-bench-") as workdir:
+        store_path = os.path.join(workdir, "store")
+        processes = [context.Process(target=bench_rank, args=(rank, world, store_path, sizes, iters, queue))
+                     for rank in range(world)]
+        for process in processes:
+            process.start()
+        rows = queue.get(timeout=3600)
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
     if rows is None:
         raise SystemExit(f"bench: world of {world} failed")
-    return [row for row in rows if "op" in row]
+    return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'op':<11}{'ranks':>5}{'size':>10}  {'wanlink time':>13}{'algbw':>8}{'busbw':>8}  "
-             f"{'gloo time':>11}{'algbw':>8}{'busbw':>8}  {'gloo/wanlink':>12}",
-             f"{'':<11}{'':>5}{'(MiB)':>10}  {'(ms)':>13}{'(GB/s)':>8}{'(GB/s)':>8}  {'(ms)':>11}{'(GB/s)':>8}"
-             f"{'(GB/s)':>8}  {'time ratio':>12}"]
+    columns = (f"{'op':<15}{'ranks':>5}{'size':>9} |{'wanlink p50':>12}{'p90':>9}{'algbw':>7}{'busbw':>7} |"
+               f"{'gloo p50':>10}{'p90':>9}{'algbw':>7}{'busbw':>7} |{'gloo/wanlink':>13}")
+    units = (f"{'':<15}{'':>5}{'':>9} |{'(ms)':>12}{'(ms)':>9}{'(GB/s)':>7}{'(GB/s)':>7} |"
+             f"{'(ms)':>10}{'(ms)':>9}{'(GB/s)':>7}{'(GB/s)':>7} |{'(p50 time)':>13}")
+    lines = [columns, units]
     keyed = {(r["op"], r["world"], r["bytes"], r["backend"]): r for r in rows}
     for op, world, size in sorted({(r["op"], r["world"], r["bytes"]) for r in rows},
                                   key=lambda k: (OPS.index(k[0]), k[1], k[2])):
-        ours, theirs = keyed[(op, world, size, "wanlink")], keyed[(op, world, size, "gloo")]
-        lines.append(f"{op:<11}{world:>5}{size // MiB:>10}  {ours['time_s'] * 1e3:>13.1f}{ours['algbw_GBps']:>8.2f}"
-                     f"{ours['busbw_GBps']:>8.2f}  {theirs['time_s'] * 1e3:>11.1f}{theirs['algbw_GBps']:>8.2f}"
-                     f"{theirs['busbw_GBps']:>8.2f}  {theirs['time_s'] / ours['time_s']:>12.2f}")
+        cells = []
+        for backend in BACKENDS:
+            row = keyed[(op, world, size, backend)]
+            cells.append(f"{row['p50_s'] * 1e3:>{12 if backend == 'wanlink' else 10}.2f}{row['p90_s'] * 1e3:>9.2f}"
+                         f"{row['algbw_GBps']:>7.2f}{row['busbw_GBps']:>7.2f}")
+        ratio = keyed[(op, world, size, "gloo")]["p50_s"] / keyed[(op, world, size, "wanlink")]["p50_s"]
+        lines.append(f"{op:<15}{world:>5}{show_size(size):>9} |{cells[0]} |{cells[1]} |{ratio:>13.2f}")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(run: Run, rows: list[dict]) -> Path:
     worlds = sorted({r["world"] for r in rows})
-    figure, axes = plt.subplots(len(worlds), len(OPS), figsize=(4 * len(OPS), 3.2 * len(worlds)), squeeze=False)
+    figure, axes = new_figure(len(worlds), len(OPS), figsize=(4 * len(OPS), 3.2 * len(worlds)), squeeze=False)
+    palette = colours(BACKENDS)
     for i, world in enumerate(worlds):
         for j, op in enumerate(OPS):
             axis = axes[i][j]
-            for backend, style in (("wanlink", "o-"), ("gloo", "s--")):
+            for backend, style in zip(BACKENDS, ("o-", "s--")):
                 points = sorted((r["bytes"] / MiB, r["busbw_GBps"]) for r in rows
                                 if r["world"] == world and r["op"] == op and r["backend"] == backend)
-                axis.plot([p[0] for p in points], [p[1] for p in points], style, label=backend)
+                axis.plot([p[0] for p in points], [p[1] for p in points], style, label=backend,
+                          color=palette[backend])
             axis.set_xscale("log", base=2)
             axis.set_title(f"{op}, {world} ranks (loopback)")
             axis.set_xlabel("size (MiB)")
-            axis.set_ylabel("busbw (GB/s)")
+            axis.set_ylabel("busbw at p50 (GB/s)")
             axis.grid(alpha=0.3)
-            axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    legend_outside(axes[0][-1])
+    return run.save_figure(figure, "collectives")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[4, 16, 64, 256])
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--sizes", nargs="+", default=["64K", "1M", "4M", "16M", "64M", "256M"],
+                        help="per-rank sizes: 64K, 4M, ... or bytes")
+    parser.add_argument("--iters", type=int, default=40, help="timed iterations per point up to 16 MiB")
+    add_output_options(parser)
     args = parser.parse_args(argv)
-    sizes = [size * MiB for size in args.sizes_mib]
-    load_before = os.getloadavg()
-    started = time.time()
+    run = Run(args)
+    sizes = [parse_size(size) for size in args.sizes]
     rows: list[dict] = []
     for world in args.worlds:
         print(f"world of {world} ranks on loopback", flush=True)
         rows += run_world(world, sizes, args.iters)
-    load_after = os.getloadavg()
     text = table(rows)
-    header = (f"wanlink vs gloo collectives over loopback; {os.cpu_count()} CPUs, {platform.machine()}, "
-              f"python {platform.python_version()}; load average before {load_before[0]:.2f}, "
-              f"after {load_after[0]:.2f}; {args.iters} timed iterations per point; "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}")
-    print("\n" + header + "\n" + text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "collectives.txt").write_text(header + "\n" + text + "\n")
-    (args.out / "collectives.json").write_text(json.dumps(
-        {"header": header, "load_average_before": load_before, "load_average_after": load_after,
-         "iters": args.iters, "rows": rows}, indent=1))
-    plot(rows, args.out / "collectives.png")
-    print(f"wrote {args.out}/collectives.{{txt,json,png}}")
+    header = run.header()
+    print(f"\nwanlink vs gloo collectives over loopback; load {header['load_before'][0]} -> {header['load_after'][0]}; "
+          f"up to {args.iters} timed iterations per point, backends alternating\n{text}")
+    run.save_text("collectives.txt", text + "\n")
+    run.save_json("collectives", {"rows": rows})
+    plot(run, rows)
+    print(f"wrote {run.out}/collectives.{{txt,json,png}}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """Convergence of block-sparse training against dense DDP: 2 ranks over loopback, scikit-learn digits.
 
 Variants, same seeds and data split: dense DDP on gloo; wanlink with the block-sparse hook at 1 %
-density and error feedback, SGD's momentum in the hook; the same with partial staleness 1. Prints the per-epoch test accuracy,
-writes bench/results/convergence.{json,png}. tests/c10d/test_convergence.py runs it on CI.
+density and error feedback, SGD's momentum in the hook; the same with partial staleness 1. Prints the
+per-epoch test accuracy, writes convergence.{json,png} to --out (bench/results/ with --publish).
+tests/c10d/test_convergence.py runs it on CI.
 
     python3 dev.py bench bench/convergence.py [--epochs 30] [--density 0.01]
 """
@@ -110,13 +111,15 @@ def run_variant(name: str, epochs: int = 30, warmup_steps: int = 20, density: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import new_figure, print_table, save_figure, save_json
+    from bench.reporting import Run, add_output_options, legend_outside, new_figure, print_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--density", type=float, default=0.01)
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    run = Run(args)
     runs = [run_variant(name, args.epochs, args.warmup_steps, args.density) for name in VARIANTS]
     dense = runs[0]["final_accuracy"]
     rows = [{"variant": r["variant"], "final_accuracy": 100 * r["final_accuracy"],
@@ -124,15 +127,15 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs]
     print_table(rows, [("variant", "variant", ""), ("final_accuracy", "test acc %", ".2f"),
                        ("vs_dense_points", "vs dense (pts)", "+.2f"), ("seconds", "seconds", ".1f")])
-    save_json("convergence", {"runs": runs})
+    print("wrote", run.save_json("convergence", {"runs": runs}))
     fig, ax = new_figure(figsize=(7, 4))
     for r in runs:
         ax.plot([p["epoch"] for p in r["curve"]], [100 * p["test_accuracy"] for p in r["curve"]], label=r["variant"])
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("digits, 2 ranks, same seeds")
-    ax.legend()
-    print("wrote", save_figure(fig, "convergence"))
+    legend_outside(ax)
+    print("wrote", run.save_figure(fig, "convergence"))
     return 0
 
 

@@ -138,8 +138,8 @@ def worker(args) -> None:
             optimizer.step()
         end = time.perf_counter()
         record = {"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
-                  "forward_s": forward_end - begin, "backward_s": backward_end - forward_end, "step_s": end - backward_end,
-                  "cpu_s": time.process_time() - cpu_begin}
+                  "forward_s": forward_end - begin, "backward_s": backward_end - forward_end,
+                  "step_s": end - backward_end, "cpu_s": time.process_time() - cpu_begin}
         if state is not None:  # backward = compute + hooks (sparsify, launch) + waiting for the exchanges
             record.update(hook_s=clock["hook_s"], wait_s=backward_end - clock["returned"])
         records.append(record)
@@ -155,7 +155,8 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool, shape: str = "") -> dict:
+def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool,
+                shape: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name, "--shape", shape,
@@ -182,15 +183,19 @@ def set_slow_start_after_idle(path, value: int) -> None:
         run(["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={value}"], check=True)
 
 
-def plot(rows: list[dict], out: str) -> Path:
-    from bench.reporting import new_figure, save_figure
+def plot(run, rows: list[dict], name: str) -> Path:
+    """Three questions, one panel each, one colour per variant in every panel; legends beside the axes."""
+    from bench.reporting import colours, legend_outside, new_figure
 
-    fig, (ax_time, ax_phases, ax_loss) = new_figure(1, 3, figsize=(18, 5.5))
-    labels = [f"{r['variant']}\n{r['rate_mbit']:g} Mbit/s" for r in rows]
-    ax_time.barh(labels, [r["median_iteration_s"] for r in rows])
+    palette = colours(VARIANTS)
+    fig, (ax_time, ax_phases, ax_loss) = new_figure(3, 1, figsize=(11, 15))
+    fig.subplots_adjust(hspace=0.35)
+    labels = [f"{r['variant']} @ {r['rate_mbit']:g} Mbit/s" for r in rows]
+    ax_time.barh(labels, [r["median_iteration_s"] for r in rows], color=[palette[r["variant"]] for r in rows])
+    ax_time.invert_yaxis()
     ax_time.set_xscale("log")
     ax_time.set_xlabel("median seconds per iteration (log)")
-    ax_time.tick_params(axis="y", labelsize=7)
+    ax_time.set_title("How long does an iteration take?")
     fast = [r for r in rows if r["backend"] is None or r["density"] is not None]  # the compute-bound variants
     left = [0.0] * len(fast)
     for phase, label in (("forward_s", "forward"), ("backward_compute_s", "backward compute"),
@@ -198,27 +203,27 @@ def plot(rows: list[dict], out: str) -> Path:
                          ("step_s", "optimizer step")):
         widths = [r.get(f"median_{phase}", r["median_backward_s"] if phase == "backward_compute_s" else 0.0)
                   for r in fast]
-        ax_phases.barh([f"{r['variant']}\n{r['rate_mbit']:g} Mbit/s" for r in fast], widths, left=left, label=label)
+        ax_phases.barh([f"{r['variant']} @ {r['rate_mbit']:g} Mbit/s" for r in fast], widths, left=left, label=label)
         left = [a + b for a, b in zip(left, widths)]
+    ax_phases.invert_yaxis()
     ax_phases.set_xlabel("median seconds per phase (backward compute = backward - hook - wait)")
-    ax_phases.tick_params(axis="y", labelsize=7)
-    ax_phases.legend(fontsize=7)
-    colors = {name: f"C{i}" for i, name in enumerate(VARIANTS)}
+    ax_phases.set_title("Where does a compute-bound iteration spend its time?")
+    legend_outside(ax_phases, fontsize=8)
     styles = {rate: style for rate, style in zip(dict.fromkeys(r["rate_mbit"] for r in rows), ("-", "--", ":", "-."))}
     for r in rows:
         ax_loss.plot([p["wall"] for p in r["records"]], [p["loss"] for p in r["records"]], linewidth=0.8,
-                     color=colors[r["variant"]], linestyle=styles[r["rate_mbit"]],
+                     color=palette[r["variant"]], linestyle=styles[r["rate_mbit"]],
                      label=f"{r['variant']} @ {r['rate_mbit']:g} Mbit/s")
     ax_loss.set_xscale("log")
     ax_loss.set_xlabel("wall-clock seconds (log)")
     ax_loss.set_ylabel("training loss (rank 0's batch)")
-    ax_loss.legend(fontsize=6)
-    return save_figure(fig, out)
+    ax_loss.set_title("How fast does the loss fall in wall-clock time?")
+    legend_outside(ax_loss, fontsize=8)
+    return run.save_figure(fig, name)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import print_table, save_json
-    from bench.wanem.netns import WanPath
+    from bench.reporting import Run, add_output_options, print_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtt-ms", type=float, default=40)
@@ -229,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-start-after-idle", type=int, choices=(0, 1), default=0,
                         help="net.ipv4.tcp_slow_start_after_idle in both namespaces (the kernel default is 1)")
     parser.add_argument("--malloc", choices=("keep-freed", "glibc-default"), default="keep-freed",
-                        help="keep-freed: every rank runs with " + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()))
-    parser.add_argument("--out", default="e2e_training", help="result name under bench/results/ (JSON and PNG)")
+                        help="keep-freed: every rank runs with "
+                        + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()))
+    parser.add_argument("--name", default="e2e_training", help="file name of the JSON and PNG")
     parser.add_argument("--shape", default="", help="train one of bench/fidelity_models.py's SHAPES on its data "
                         f"instead of the {WIDTH}-wide MLP on a teacher task")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
+    add_output_options(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--variant", "--master", "--rank-out", "--address"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -242,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    run = Run(args)
+    if args.replot:
+        print("wrote", plot(run, json.loads(args.replot.read_text())["rows"], args.name))
+        return 0
+    from bench.wanem.netns import WanPath
+
     if args.iterations is not None and args.iterations <= SKIP_FIRST:
         parser.error(f"--iterations must be more than the {SKIP_FIRST} skipped ones")
     rows = []
@@ -251,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             for index, name in enumerate(args.variants):
                 row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index,
                                   keep_freed_memory=args.malloc == "keep-freed", shape=args.shape)
-                row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms, slow_start_after_idle=args.slow_start_after_idle,
+                row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms,
+                           slow_start_after_idle=args.slow_start_after_idle,
                            malloc=args.malloc)
                 if "median_hook_s" in row:
                     row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
@@ -268,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         # a dense all-reduce of 2 ranks moves every gradient byte once each way: the bandwidth floor
         row["dense_floor_s"] = 8 * 4 * row["params"] / (row["rate_mbit"] * 1e6)
     batch = 16 if args.shape else BATCH  # bench.fidelity_models.BATCH
-    print(f"\n{args.shape or 'MLP'}: {rows[0]['params'] / 1e6:.2f}M parameters, batch {batch}, 2 ranks, {args.rtt_ms:g} ms RTT, "
+    print(f"\n{args.shape or 'MLP'}: {rows[0]['params'] / 1e6:.2f}M parameters, batch {batch}, 2 ranks, "
+          f"{args.rtt_ms:g} ms RTT, "
           f"tcp_slow_start_after_idle={args.slow_start_after_idle}; load {os.getloadavg()[0]:.2f}; "
           "phases are medians (hook and wait: sparse variants only)")
     print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("iterations", "iters", "d"),
@@ -276,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                        ("speedup_vs_gloo_same_wire", "x gloo same wire", ".1f"),
                        ("median_forward_s", "forward", ".3f"), ("median_backward_s", "backward", ".3f"),
                        ("median_hook_s", "hook", ".3f"), ("median_wait_s", "wait", ".3f"),
-                       ("median_step_s", "step", ".3f"), ("median_cpu_s", "CPU s", ".3f"), ("final_loss", "final loss", ".2f"),
-                       ("dense_floor_s", "dense bw floor s", ".2f")])
-    save_json(args.out, {"rows": rows, "skip_first": SKIP_FIRST})
-    print("wrote", plot(rows, args.out))
+                       ("median_step_s", "step", ".3f"), ("median_cpu_s", "CPU s", ".3f"),
+                       ("final_loss", "final loss", ".2f"), ("dense_floor_s", "dense bw floor s", ".2f")])
+    print("wrote", run.save_json(args.name, {"rows": rows, "skip_first": SKIP_FIRST}))
+    print("wrote", plot(run, rows, args.name))
     return 0
 
 

@@ -8,9 +8,9 @@ torch SGD with momentum 0.9 (on the sparse path the momentum moves into the hook
 refused, and that cell records the message), torch AdamW, and wanlink's SparseSGD
 (``sparse_optimizer=True``). Prints mean and worst final accuracy (or held-out loss) per cell and
 whether the worst seed is within 1 point (2 % relative loss) of dense's mean; writes
-bench/results/fidelity.{json,png}.
+fidelity.{json,png} to --out (bench/results/ with --publish).
 
-    python3 dev.py bench bench/fidelity.py [--shapes digits-mlp digits-cnn stdlib-lm] [--seeds 5]
+    python3 dev.py bench bench/fidelity.py [--shapes digits-mlp digits-cnn stdlib-lm] [--seeds 5] [--publish]
 """
 from __future__ import annotations
 
@@ -239,8 +239,8 @@ def summarise(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(runs: list[dict], shapes) -> None:
-    from bench.reporting import new_figure, save_figure
+def plot(runs: list[dict], shapes, run) -> None:
+    from bench.reporting import new_figure
 
     fig, axes = new_figure(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     colours = {}
@@ -259,16 +259,18 @@ def plot(runs: list[dict], shapes) -> None:
         if metric == "accuracy":
             ax.set_ylim(80, 100)
     axes[0][-1].legend(fontsize=7)
-    print("wrote", save_figure(fig, "fidelity"))
+    print("wrote", run.save_figure(fig, "fidelity"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import print_table, save_json
+    from bench.reporting import Run, add_output_options, print_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell")
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    run = Run(args)
     load_before = os.getloadavg()
     started = time.perf_counter()
     jobs = matrix_jobs(args.shapes, list(range(args.seeds)))
@@ -289,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"refused: {row['shape']} / {row['optimizer']} / {row['mode']}: {row['message']}")
     minutes = (time.perf_counter() - started) / 60
     print(f"{minutes:.1f} min; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    save_json("fidelity", {"density": DENSITY, "momentum": MOMENTUM, "warmup_steps": WARMUP_STEPS,
+    run.save_json("fidelity", {"density": DENSITY, "momentum": MOMENTUM, "warmup_steps": WARMUP_STEPS,
                            "load_before": load_before, "load_after": os.getloadavg(), "minutes": minutes,
                            "rows": rows, "runs": runs})
-    plot(runs, args.shapes)
+    plot(runs, args.shapes, run)
     return 0 if all(r["verdict"] in ("ok", "refused") for r in rows) else 1
 
 

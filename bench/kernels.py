@@ -11,16 +11,17 @@ background load; each timed call follows untimed warm-up calls of the same opera
 2 ms of them). Times are medians, and the fastest run of each is reported too (on a shared
 machine it shows what the code does when no other process takes the core). The scatter and SGD
 pairs are also timed cache-cold, each call right after reading 64 MiB, as in training where the
-kept blocks differ every step. Prints tables, writes bench/results/kernels.{json,png}.
+kept blocks differ every step. Prints tables, writes kernels.{json,png} to --out (bench/results/ with --publish).
 
     python3 dev.py bench bench/kernels.py                       # 25M and 100M, 1 % and 0.1 %, 2 threads
     python3 dev.py bench bench/kernels.py --sizes 1M --repeats 3  # quick
+    python3 dev.py bench bench/kernels.py --publish             # replace bench/results/kernels.*
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from bench.reporting import new_figure, print_table, save_figure, save_json
+from bench.reporting import Run, add_output_options, colours, legend_outside, new_figure, print_table
 from wanlink import kernels
 from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, scatter_add_
 from wanlink.optim import SparseSGD
@@ -196,33 +197,45 @@ def check_targets(rows: list[dict], threads: int, fastest: bool = False) -> dict
     return checks
 
 
-def plot(rows: list[dict]) -> Path:
-    fig, axes = new_figure(1, 3, figsize=(15, 4.5))
-    labels = [f"{r['numel'] / 1e6:g}M\n{r['density'] * 100:g}%" for r in rows]
-    panels = [
-        ("sparsify (EF)", [("memory scan", "scan_s"), ("EF floor: residual.add_(g)", "ef_floor_s"),
-                           ("wanlink sparsify+EF", "sparsify_ef_s"),
-                           ("torch threshold+nonzero", "threshold_nonzero_s"), ("torch.topk", "topk_s")]),
-        ("decode + scatter-add, one peer", [("wanlink decode+scatter_add_", "decode_scatter_s"),
-                                            ("index_add_ (rows)", "index_add_rows_s"),
-                                            ("index_add_ (elements)", "index_add_elements_s"),
-                                            ("wanlink, cache-cold", "decode_scatter_cold_s"),
-                                            ("index_add_ (elements), cache-cold", "index_add_elements_cold_s")]),
-        ("SGD step (momentum 0.9)", [("wanlink SparseSGD", "sparse_sgd_s"), ("torch.optim.SGD dense", "dense_sgd_s"),
-                                     ("wanlink SparseSGD, cache-cold", "sparse_sgd_cold_s"),
-                                     ("torch.optim.SGD dense, cache-cold", "dense_sgd_cold_s")]),
-    ]
-    for axis, (title, series) in zip(axes, panels):
+ROLES = ("wanlink", "wanlink, cache-cold", "floor (no sparsifier beats it)", "torch", "torch, other form",
+         "torch, cache-cold")
+PANELS = (  # one question per panel: (title, [(label, result key, role)])
+    ("sparsify with error feedback", [
+        ("memory scan", "scan_s", ROLES[2]), ("EF floor: residual.add_(g)", "ef_floor_s", ROLES[2]),
+        ("wanlink sparsify+EF", "sparsify_ef_s", ROLES[0]), ("torch.topk", "topk_s", ROLES[3]),
+        ("torch threshold+nonzero", "threshold_nonzero_s", ROLES[4])]),
+    ("decode + scatter-add, one peer", [
+        ("wanlink decode+scatter_add_", "decode_scatter_s", ROLES[0]),
+        ("wanlink, cache-cold", "decode_scatter_cold_s", ROLES[1]),
+        ("index_add_ (elements)", "index_add_elements_s", ROLES[3]),
+        ("index_add_ (rows)", "index_add_rows_s", ROLES[4]),
+        ("index_add_ (elements), cache-cold", "index_add_elements_cold_s", ROLES[5])]),
+    ("SGD step (momentum 0.9)", [
+        ("wanlink SparseSGD", "sparse_sgd_s", ROLES[0]),
+        ("wanlink SparseSGD, cache-cold", "sparse_sgd_cold_s", ROLES[1]),
+        ("torch.optim.SGD dense", "dense_sgd_s", ROLES[3]),
+        ("torch.optim.SGD dense, cache-cold", "dense_sgd_cold_s", ROLES[5])]),
+)
+
+
+def plot(run: Run, rows: list[dict]) -> Path:
+    """One panel per question, one colour per role (wanlink, floors, torch) in every panel."""
+    fig, axes = new_figure(len(PANELS), 1, figsize=(9, 3.6 * len(PANELS)))
+    labels = [f"{r['numel'] / 1e6:g}M, {r['density'] * 100:g}%" for r in rows]
+    palette = colours(ROLES)
+    for axis, (title, series) in zip(axes, PANELS):
         width = 0.8 / len(series)
-        for i, (name, key) in enumerate(series):
+        for i, (name, key, role) in enumerate(series):
             heights = [r.get(key, math.nan) * 1e3 for r in rows]
-            axis.bar([x + i * width for x in range(len(rows))], heights, width, label=name)
+            hatch = "//" if "cache-cold" in role else None
+            axis.bar([x + i * width for x in range(len(rows))], heights, width, label=name, color=palette[role],
+                     hatch=hatch, edgecolor="white" if hatch else None, alpha=0.6 if "other" in role else 1.0)
         axis.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels)
         axis.set_yscale("log")
-        axis.set_ylabel("ms (median)")
+        axis.set_ylabel("ms (median, log scale)")
         axis.set_title(title)
-        axis.legend(fontsize=8)
-    return save_figure(fig, "kernels")
+        legend_outside(axis, fontsize=8)
+    return run.save_figure(fig, "kernels")
 
 
 def main(argv=None) -> int:
@@ -233,21 +246,26 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (the kernels follow it)")
     parser.add_argument("--repeats", type=int, default=9, help="timed runs of wanlink's kernels (median)")
     parser.add_argument("--baseline-repeats", type=int, default=5, help="timed runs of the torch baselines")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
+    add_output_options(parser)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    load_start = os.getloadavg()
+    run = Run(args)
+    if args.replot:
+        print("wrote", plot(run, json.loads(args.replot.read_text())["results"]))
+        return 0
     rows = []
     for size in args.sizes:
         for density in args.densities:
             rows.append(measure(parse_size(size), density, args.repeats, args.baseline_repeats))
             print(f"measured {size} at density {density}", file=sys.stderr, flush=True)
-    load_end = os.getloadavg()
+    header = run.header()
 
     vector_scoring = getattr(kernels.active(), "VECTOR_SCORING", "none")
     print(f"kernels: {kernels.NAME} (vector scoring: {vector_scoring}); threads: {args.threads}; "
-          f"load average 1/5/15 min: start {load_start[0]:.2f}/{load_start[1]:.2f}/{load_start[2]:.2f}, "
-          f"end {load_end[0]:.2f}/{load_end[1]:.2f}/{load_end[2]:.2f}")
+          f"load average 1/5/15 min: start {'/'.join(map(str, header['load_before']))}, "
+          f"end {'/'.join(map(str, header['load_after']))}")
     table = [{**r, "size": f"{r['numel'] / 1e6:g}M", "pct": r["density"] * 100,
               **{key: r[key] * 1e3 for key in r if key.endswith("_s")}} for r in rows]
     print("\ntimes in ms (median)")
@@ -273,7 +291,8 @@ def main(argv=None) -> int:
     print_table([{**row, **r["fastest_ratios"]} for row, r in zip(table, rows)], ratio_columns)
     print("\ncache-cold calls (64 MiB read before each), ms (median) and speed-ups")
     print_table(table, [("size", "size", ""), ("pct", "density %", ".2g"),
-                        ("decode_scatter_cold_s", "dec+scatter", ".3f"), ("index_add_elements_cold_s", "idx_add el", ".3f"),
+                        ("decode_scatter_cold_s", "dec+scatter", ".3f"),
+                        ("index_add_elements_cold_s", "idx_add el", ".3f"),
                         ("scatter_vs_index_add_cold", "vs idx_add el", ".1f"),
                         ("sparse_sgd_cold_s", "SparseSGD", ".3f"), ("dense_sgd_cold_s", "torch SGD", ".1f"),
                         ("sgd_vs_dense_cold", "SGD speed-up", ".0f")])
@@ -283,11 +302,10 @@ def main(argv=None) -> int:
             print(f"\ntargets (25M, 1 %, 2 threads), {kind} times: " + "; ".join(
                 f"{name} {c['value']} (target {'<=' if name == 'sparsify_over_scan' else '>='} {c['target']}: "
                 f"{'met' if c['met'] else 'MISSED'})" for name, c in kind_checks.items()))
-    json_path = save_json("kernels", {
-        "implementation": kernels.NAME, "vector_scoring": vector_scoring, "threads": args.threads, "torch": torch.__version__,
-        "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in load_end],
+    json_path = run.save_json("kernels", {
+        "implementation": kernels.NAME, "vector_scoring": vector_scoring, "threads": args.threads,
         "repeats": args.repeats, "baseline_repeats": args.baseline_repeats, "results": rows, "targets": checks})
-    png_path = plot(rows)
+    png_path = plot(run, rows)
     print(f"\nwrote {json_path} and {png_path}")
     return 0
 

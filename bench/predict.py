@@ -245,8 +245,8 @@ def predict(row: dict) -> dict:
     return out
 
 
-def plot(rows: list[dict], out: str):
-    from bench.reporting import new_figure, save_figure
+def plot(run, rows: list[dict], name: str):
+    from bench.reporting import legend_outside, new_figure
 
     fig, ax = new_figure(figsize=(7, 6.5))
     measured = [r["measured_s"] for r in rows]
@@ -263,12 +263,12 @@ def plot(rows: list[dict], out: str):
     ax.set_ylabel("predicted seconds per iteration")
     for r in rows:
         ax.annotate(r["name"], (r["measured_s"], r["fine_s"]), fontsize=6, xytext=(3, -3), textcoords="offset points")
-    ax.legend(fontsize=8)
-    return save_figure(fig, out)
+    legend_outside(ax, fontsize=8)
+    return run.save_figure(fig, name)
 
 
-def report(rows: list[dict], load: dict, out: str) -> None:
-    from bench.reporting import print_table, save_json
+def report(run, rows: list[dict], load: dict, name: str) -> None:
+    from bench.reporting import print_table
 
     for row in rows:
         row.update(predict(row))
@@ -289,8 +289,8 @@ def report(rows: list[dict], load: dict, out: str) -> None:
                            f"max {100 * summary[key + '_max_abs_error']:.1f} %"
                            for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"))
           + f"; load {load}")
-    save_json(out, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST})
-    print("wrote", plot(rows, out))
+    print("wrote", run.save_json(name, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST}))
+    print("wrote", plot(run, rows, name))
 
 
 SLOW_RANK_S_PER_SAMPLE = 0.001  # rank 1's injected slowdown: it sleeps this long per sample each step
@@ -360,10 +360,10 @@ def allocation_worker(args) -> None:
     dist.destroy_process_group()
 
 
-def allocation_bench(out: str) -> None:
+def allocation_bench(run, name: str) -> None:
     import subprocess
 
-    from bench.reporting import new_figure, print_table, save_figure, save_json
+    from bench.reporting import legend_outside, new_figure, print_table
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -377,35 +377,37 @@ def allocation_bench(out: str) -> None:
         if any(codes):
             raise RuntimeError(f"allocation bench ranks exited with {codes}")
         result = json.loads(Path(result_file).read_text())
-    rows = [{"split": name, "batches": "/".join(map(str, result["splits"][name])),
-             "median_s": statistics.median(result["times"][name]), "predicted_compute_s": result["predicted_compute_s"][name]}
-            for name in ("equal", "allocated")]
+    rows = [{"split": split, "batches": "/".join(map(str, result["splits"][split])),
+             "median_s": statistics.median(result["times"][split]),
+             "predicted_compute_s": result["predicted_compute_s"][split]}
+            for split in ("equal", "allocated")]
     speedup = rows[0]["median_s"] / rows[1]["median_s"]
     load = {"before": load_before, "after": os.getloadavg()[0]}
     print(f"2 ranks on loopback (wanlink backend), global batch {ALLOCATION_GLOBAL_BATCH}, rank 1 sleeps "
           f"{SLOW_RANK_S_PER_SAMPLE * 1e3:g} ms per sample; fits (alpha, beta samples/s): "
           + ", ".join(f"({f['alpha']:.1f}, {f['beta']:.0f})" for f in result["fits"]) + f"; load {load}")
-    print_table(rows, [("split", "split", ""), ("batches", "local batches", ""), ("median_s", "median s/iteration", ".3f"),
+    print_table(rows, [("split", "split", ""), ("batches", "local batches", ""),
+                       ("median_s", "median s/iteration", ".3f"),
                        ("predicted_compute_s", "predicted slowest compute s", ".3f")])
     print(f"allocated vs equal split: {speedup:.2f}x faster (same run, blocks alternating)")
-    save_json(out, {"rows": rows, "speedup": speedup, "load": load, **result,
-                    "slow_rank_s_per_sample": SLOW_RANK_S_PER_SAMPLE, "global_batch": ALLOCATION_GLOBAL_BATCH})
+    run.save_json(name, {"rows": rows, "speedup": speedup, "load": load, **result,
+                         "slow_rank_s_per_sample": SLOW_RANK_S_PER_SAMPLE, "global_batch": ALLOCATION_GLOBAL_BATCH})
     fig, ax = new_figure(figsize=(6, 4))
     labels = [f"{r['split']}\n{r['batches']}" for r in rows]
     ax.bar([0, 1], [r["median_s"] for r in rows], width=0.4, label="measured (median)")
     ax.bar([0.4, 1.4], [r["predicted_compute_s"] for r in rows], width=0.4, label="predicted slowest rank's compute")
     ax.set_xticks([0.2, 1.2], labels)
     ax.set_ylabel("seconds per iteration")
-    ax.legend(fontsize=8)
-    print("wrote", save_figure(fig, out))
+    legend_outside(ax, fontsize=8)
+    print("wrote", run.save_figure(fig, name))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=[c["name"] for c in CONFIGS], help="configurations to run")
     parser.add_argument("--predict-only", action="store_true",
-                        help="recompute predictions from the measured rows in bench/results/<out>.json")
-    parser.add_argument("--out", default="predict", help="result name under bench/results/")
+                        help="recompute predictions from the measured rows in <out>/<name>.json")
+    parser.add_argument("--name", default="predict", help="file name of the JSON and PNG")
     parser.add_argument("--allocation", action="store_true",
                         help="instead: the heterogeneous batch allocation bench (loopback, no emulator)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -416,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out-file", dest="out_file", help=argparse.SUPPRESS)
+    from bench.reporting import Run, add_output_options
+
+    add_output_options(parser)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -426,14 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.allocation_worker:
         allocation_worker(args)
         return 0
+    run = Run(args)
     if args.allocation:
-        allocation_bench(args.out if args.out != "predict" else "predict_allocation")
+        allocation_bench(run, args.name if args.name != "predict" else "predict_allocation")
         return 0
-    from bench.reporting import RESULTS
-
     if args.predict_only:
-        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
-        report(saved["rows"], saved["load"], args.out)
+        saved = json.loads((run.out / f"{args.name}.json").read_text())
+        report(run, saved["rows"], saved["load"], args.name)
         return 0
     from bench.wan_throughput import run_wanlink
     from bench.wanem.netns import WanPath
@@ -444,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = sorted({(c["rtt_ms"], c["rate_mbit"]) for c in chosen})
     for rtt_ms, rate_mbit in paths:
         with WanPath(rtt_ms=rtt_ms, rate_mbit=rate_mbit) as path:
-            for run in (path.run_a, path.run_b):  # every variant alike: no slow start after idle
-                run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
+            for run_in in (path.run_a, path.run_b):  # every variant alike: no slow start after idle
+                run_in(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
             link_mbit = run_wanlink(path, LINK_STREAMS, LINK_SECONDS, None)["gbps"] * 1e3
             probe_s, overhead = send_overhead(path, rtt_ms, link_mbit, 29690)
             print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s; "
@@ -459,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{config['name']}: {row['measured_s']:.3f} s/iteration ({row['wall_s']:.0f} s, "
                       f"load {row['load1']:.2f})", flush=True)
     load["after"] = os.getloadavg()[0]
-    report(rows, load, args.out)
+    report(run, rows, load, args.name)
     return 0
 
 

@@ -16,9 +16,10 @@ run with ``-w SIZE`` for both wanlink and iperf3, and the gain from the buffer s
 same buffer policy).
 
     sudo python3 bench/wan_throughput.py [--seconds 8] [--rate-mbit 2000] [--window 4M] [--only 40ms]
-        [--cases "wanlink auto" "iperf3 -P 8"] [--buffers window] [--out wan_throughput_40ms]
+        [--cases "wanlink auto" "iperf3 -P 8"] [--buffers window] [--name wan_throughput_40ms] [--publish]
 
-Writes bench/results/<out>.{json,png} (default wan_throughput) and prints a table. Needs root,
+Writes <name>.{json,png} (default wan_throughput) to --out (bench/results/ with --publish) and
+prints a table. Needs root,
 /dev/net/tun, iperf3 and torch (CPU) with gloo.
 """
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench.reporting import Run, add_output_options, print_table  # noqa: E402 - after the sys.path line
 
 MiB = 1024 * 1024
 PORT = 5201
@@ -240,25 +243,27 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], out: str = "wan_throughput") -> Path:
-    from bench.reporting import new_figure, save_figure
+def plot(run, rows: list[dict], name: str = "wan_throughput") -> Path:
+    """One bar group per path, one colour per case and buffer policy; the legend beside the axes."""
+    from bench.reporting import colours, legend_outside, new_figure
 
     labels = [p for p, _r, _l in PATHS if any(r["path"] == p for r in rows)]
     cases = list(dict.fromkeys((r["case"], r["buffers"]) for r in rows))
+    palette = colours(cases)
     fig, ax = new_figure(figsize=(12, 5))
     width = 0.8 / max(1, len(cases))
     for k, (case, policy) in enumerate(cases):
         values = [next((r.get("gbps") or 0.0 for r in rows if r["path"] == p and r["case"] == case
                         and r["buffers"] == policy), 0.0) for p in labels]
-        name = case if policy == "autotune" else f"{case} -w {policy}"
-        color = __import__("matplotlib").colormaps["tab20"](k % 20)
-        ax.bar([i + k * width for i in range(len(labels))], values, width, label=name, color=color)
+        name_shown = case if policy == "autotune" else f"{case} -w {policy}"
+        ax.bar([i + k * width for i in range(len(labels))], values, width, label=name_shown,
+               color=palette[(case, policy)], hatch=None if policy == "autotune" else "//", edgecolor="white")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
     ax.set_xticklabels(labels)
     ax.set_ylabel("Gbit/s (receiver)")
     ax.set_title("Throughput over emulated WAN paths (bench/wan_throughput.py)")
-    ax.legend(fontsize=7, ncol=2)
-    return save_figure(fig, out)
+    legend_outside(ax, fontsize=8)
+    return run.save_figure(fig, name)
 
 
 def main(argv=None) -> int:
@@ -272,8 +277,9 @@ def main(argv=None) -> int:
                    help="run only cases whose name starts with one of these (e.g. 'wanlink auto' 'iperf3 -P 8')")
     p.add_argument("--buffers", choices=("all", "autotune", "window"), default="all",
                    help="buffer policies to run: both, kernel autotuning only, or only --window")
-    p.add_argument("--out", default="wan_throughput", help="result name under bench/results/ (JSON and PNG)")
-    p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON")
+    p.add_argument("--name", default="wan_throughput", help="file name of the JSON and PNG")
+    p.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
+    add_output_options(p)
     p.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
@@ -282,10 +288,9 @@ def main(argv=None) -> int:
     if a.gloo_worker:
         gloo_worker(a.rank, a.master, a.size_mib)
         return 0
-    from bench.reporting import RESULTS, machine_info, print_table, save_json
-
-    if a.plot_only:
-        print(plot(json.loads((RESULTS / f"{a.out}.json").read_text())["rows"], a.out))
+    run = Run(a)
+    if a.replot:
+        print(plot(run, json.loads(a.replot.read_text())["rows"], a.name))
         return 0
     from bench.wanem.netns import WanemError, check_environment
 
@@ -294,8 +299,6 @@ def main(argv=None) -> int:
     except WanemError as exc:
         print(f"wan_throughput: {exc}", file=sys.stderr)
         return 1
-    load_before = machine_info()["loadavg_1_5_15"]
-    t0 = time.monotonic()
     try:
         plan_cases(a.window, a.gloo_mib, buffers=a.buffers)
     except ValueError as exc:
@@ -307,14 +310,13 @@ def main(argv=None) -> int:
                        ("streams", "streams", ""), ("gbps", "Gbit/s", ".3f"), ("retransmits", "retr", "")])
     gains = ratios(rows)
     print()
-    print_table([{k: ("" if v is None else v) for k, v in g.items()} for g in gains], [("path", "path", ""), ("buffers", "buffers", ""), ("striping_gain", "wl/ip3-P1", ".2f"),
-                        ("vs_iperf3_P8", "wl/ip3-P8", ".2f"), ("vs_gloo", "wl/gloo", ".2f"),
-                        ("buffer_gain_iperf3_P1", "buf gain", ".2f")])
-    path = save_json(a.out, {
-        "command": " ".join([sys.executable, *sys.argv]), "seconds": a.seconds, "rate_mbit": a.rate_mbit,
-        "window": a.window, "loadavg_before": load_before, "wall_s": time.monotonic() - t0,
-        "rows": rows, "gains": gains})
-    png = plot(rows, a.out)
+    print_table([{k: ("" if v is None else v) for k, v in g.items()} for g in gains],
+                [("path", "path", ""), ("buffers", "buffers", ""), ("striping_gain", "wl/ip3-P1", ".2f"),
+                 ("vs_iperf3_P8", "wl/ip3-P8", ".2f"), ("vs_gloo", "wl/gloo", ".2f"),
+                 ("buffer_gain_iperf3_P1", "buf gain", ".2f")])
+    path = run.save_json(a.name, {"seconds": a.seconds, "rate_mbit": a.rate_mbit, "window": a.window,
+                                  "rows": rows, "gains": gains})
+    png = plot(run, rows, a.name)
     print(f"\nwrote {path} and {png}")
     return 0
 

@@ -12,14 +12,13 @@ processes that came and went within the run), and the 1-min load average.
     sudo python3 -m bench.wanem_calibrate            # ~6-10 min
     sudo python3 -m bench.wanem_calibrate --scale 0.3 --only loss
 
-Writes bench/results/wanem_calibration.{json,png}.
+Writes wanem_calibration.{json,png} to --out (bench/results/ with --publish).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -28,10 +27,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.reporting import Run, add_output_options
 from bench.wanem import WanemError, WanPath, build, check_environment
 from bench.wanem.netns import DEFAULT_WINDOW_KB
 
-RESULTS = Path(__file__).resolve().parent / "results"
+NAME = "wanem_calibration"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -249,15 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retries", type=int, default=1,
                    help="repeat a run when other processes used more than --max-other cores")
     p.add_argument("--max-other", type=float, default=0.3, help="cores")
-    p.add_argument("--out", type=Path, default=RESULTS / "wanem_calibration")
-    p.add_argument("--replot", action="store_true", help="only redraw table and PNG from the JSON")
+    add_output_options(p)
+    p.add_argument("--replot", action="store_true", help="only redraw table and PNG from the JSON in the output dir")
     p.add_argument("--merge", action="store_true",
-                   help="replace same-named runs in the existing JSON (e.g. after --only) instead of all")
+                   help="replace same-named runs in the output dir's JSON (e.g. after --only) instead of all")
     a = p.parse_args(argv)
+    run = Run(a)
+    json_path = run.out / f"{NAME}.json"
     if a.replot:
-        rows = json.loads(a.out.with_suffix(".json").read_text())["runs"]
+        rows = json.loads(json_path.read_text())["runs"]
         print(table(rows))
-        plot(rows, a.out.with_suffix(".png"))
+        plot(rows, run.path(f"{NAME}.png"))
         return 0
     try:
         check_environment(programs=("iperf3",))
@@ -278,21 +280,17 @@ def main(argv: list[str] | None = None) -> int:
                 break
         rows.append(r)
         print(table([r]).splitlines()[-1], flush=True)
-    if a.merge and a.out.with_suffix(".json").exists():
+    if a.merge and json_path.exists():
         fresh = {r["name"]: r for r in rows}
-        old = json.loads(a.out.with_suffix(".json").read_text())["runs"]
+        old = json.loads(json_path.read_text())["runs"]
         rows = [fresh.pop(r["name"], r) for r in old] + list(fresh.values())
     print()
     print(table(rows))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "kernel": platform.release(),
-            "cpus": os.cpu_count(), "iperf3": subprocess.run(["iperf3", "--version"], capture_output=True,
-                                                             text=True).stdout.split("\n")[0],
-            "window_kb": DEFAULT_WINDOW_KB, "load_at_end": os.getloadavg(),
-            "merged": bool(a.merge), "only": a.only}
-    a.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))
-    plot(rows, a.out.with_suffix(".png"))
-    print(f"\nwrote {a.out.with_suffix('.json')} and .png")
+    iperf3 = subprocess.run(["iperf3", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    written = run.save_json(NAME, {"iperf3": iperf3, "window_kb": DEFAULT_WINDOW_KB, "merged": bool(a.merge),
+                                   "only": a.only, "runs": rows})
+    plot(rows, run.path(f"{NAME}.png"))
+    print(f"\nwrote {written} and .png")
     return 0
 
 

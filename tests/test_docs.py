@@ -38,7 +38,8 @@ def _session_cases():
     for path in sorted({block.path for block in BLOCKS}):
         session = [b for b in blocks_of(path) if b.language == "python" and not b.run_with and not b.not_run]
         if session:
-            cases.append(pytest.param(session, id=str(path.relative_to(ROOT))))
+            slow = any("torch" in block.code for block in session)  # a torch import alone takes seconds
+            cases.append(pytest.param(session, id=str(path.relative_to(ROOT)), marks=[pytest.mark.slow] * slow))
     return cases
 
 

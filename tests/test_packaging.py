@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.blocked import blocking_path
 from tests.support.docblocks import ROOT, blocks_of
 
 pytestmark = pytest.mark.slow
@@ -72,9 +73,6 @@ def test_sdist_builds_a_wheel_with_compiled_kernels_that_runs_the_readme_and_the
     [snippet] = [b for b in blocks_of(ROOT / "README.md") if b.language == "python" and "wanlink.serve" in b.code]
     assert "'xxxx'" in _run([python, "-c", snippet.code], work).stdout
 
-    blocked = tmp_path / "no-sklearn" / "sklearn"  # the demo must not need scikit-learn
-    blocked.mkdir(parents=True)
-    (blocked / "__init__.py").write_text("raise ImportError('scikit-learn is not part of a plain install')\n")
     demo = _run([python.parent / "wanlink-demo", "--ranks", "2", "--epochs", "1"], work,
-                PYTHONPATH=str(blocked.parent))
+                PYTHONPATH=str(blocking_path(tmp_path, "sklearn")))  # the demo must not need scikit-learn
     assert "final test accuracy" in demo.stdout and "time ratio wanlink/gloo" in demo.stdout

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from c10d_worlds import run_world
+from tests.support.worlds import run_world
 
 SHAPES = [((50,), 1), ((8, 7), 2), ((9, 4, 3), 1), ((0, 3), 2)]  # (shape, sparse dims); hybrid; empty
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32]  # gloo has no half-precision sparse sum

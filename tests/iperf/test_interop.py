@@ -107,7 +107,8 @@ async def test_our_json_has_the_keys_stock_iperf3_writes():
 
     def shapes(doc):
         return {"connected": set(doc["start"]["connected"][0]), "interval": set(doc["intervals"][0]["streams"][0]),
-                "sender": set(doc["end"]["streams"][0]["sender"]), "receiver": set(doc["end"]["streams"][0]["receiver"])}
+                "sender": set(doc["end"]["streams"][0]["sender"]),
+                "receiver": set(doc["end"]["streams"][0]["receiver"])}
 
     assert ours["wanlink"]["mode"] == "wanlink"
     assert shapes(ours) == shapes(stock)

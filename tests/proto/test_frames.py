@@ -169,7 +169,7 @@ def _decode(blob, piece_sizes):
                 break
             events += [(type(e).__name__, getattr(e, "header", None)) for e in dec.feed(blob[start:start + size])]
             start += size
-    except RemoteProtocolError as exc:  # LimitExceeded is one too; local misuse; anything else fails the test
+    except RemoteProtocolError as exc:  # LimitExceeded is one too; local misuse or anything else fails the test
         return events, type(exc)
     assert start >= len(blob), "pieces did not cover the input"
     return events, None

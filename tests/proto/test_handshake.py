@@ -108,7 +108,7 @@ def _hello(**changes):
 @pytest.mark.parametrize("raw, error, match", [
     (_hello(magic=b"HTTP"), RemoteProtocolError, "magic"),
     (_hello(version=2), RemoteProtocolError, "version"),
-    (_hello(flags=1), RemoteProtocolError, "flags"),
+    (_hello(flags=2), RemoteProtocolError, "flags"),
     (_hello(count=65), LimitExceeded, "max_streams"),
     (_hello(index=2, count=2), RemoteProtocolError, "out of range"),
     (_hello(count=0), RemoteProtocolError, "out of range"),
@@ -176,22 +176,34 @@ def test_client_rejects_non_wanlink_server():
         client.receive(b"SSH-" + bytes(CHALLENGE.size - 4))
 
 
-def test_fuzzed_hello_only_raises_typed_errors():
+def test_fuzzed_hello_only_raises_typed_errors_and_never_authenticates():
+    """A corrupted hello is refused while parsing, or parsed and then fails the proofs; never accepted."""
     rng = random.Random(7)
-    good = ClientHandshake(b"k", LINK_ID, 0, 3, {"a": 1}).hello()
+    outcomes = set()
     for _ in range(2000):
+        client = ClientHandshake(b"k", LINK_ID, 0, 3, {"a": 1})
+        good = client.hello()
         blob = bytearray(good)
         for _ in range(rng.randint(1, 4)):
             blob[rng.randrange(len(blob))] = rng.getrandbits(8)
         server = ServerHandshake(b"k")
         try:
-            data = bytes(blob)
+            data, reply = bytes(blob), b""
             while server.bytes_wanted() and data and server.stream is None:
                 wanted = server.bytes_wanted()
-                server.receive(data[:wanted].ljust(wanted, b"\0"))
+                reply = server.receive(data[:wanted].ljust(wanted, b"\0"))
                 data = data[wanted:]
-        except ProtocolError:
-            pass
+            if server.stream is None:
+                outcomes.add("truncated")
+                continue
+            proof = client.receive(reply)  # the honest client checks the server's proof of the hello it got
+            server.receive(proof)
+        except (RemoteProtocolError, AuthenticationError) as exc:  # LimitExceeded is a RemoteProtocolError too
+            outcomes.add(type(exc).__name__)
+            continue
+        assert bytes(blob) == good, f"a corrupted hello authenticated: {bytes(blob).hex()}"
+        assert server.done
+    assert {"RemoteProtocolError", "AuthenticationError"} <= outcomes
 
 
 def test_secret_normalisation(monkeypatch):

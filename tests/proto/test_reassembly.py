@@ -4,7 +4,7 @@ import pytest
 from wanlink.errors import LimitExceeded, LocalProtocolError, MessageSizeError, RemoteProtocolError
 from wanlink.proto.frames import FLAG_EAGER, FrameType, Header
 from wanlink.proto.limits import Limits
-from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Reassembler
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Reassembler, StagingPool
 
 
 def chunk(tag, seq, total, offset, length):
@@ -60,7 +60,7 @@ def _stage_and_claim(r: Reassembler, tag: int, size: int):
 
 
 def test_full_spare_pool_makes_room_for_the_current_chunk_size(monkeypatch):
-    monkeypatch.setattr("wanlink.proto.reassembly.SPARE_STAGING_BYTES", 8)
+    monkeypatch.setattr("wanlink.proto.reassembly.STAGING_POOL", StagingPool(8))
     r = Reassembler()
     old = [_stage_and_claim(r, tag, 4) for tag in (1, 2)]  # the pool is full of 4-byte buffers
     new = _stage_and_claim(r, 3, 8)  # the chunk size changed: its buffer evicts them
@@ -231,3 +231,9 @@ def test_pending_lists_unfinished_posts():
     assert r.pending() == [entry]
     deliver(r, chunk(1, 0, 2, 0, 2), b"ok")
     assert r.pending() == []
+
+
+def test_staging_pool_is_shared_by_the_links_of_a_process():
+    first, second = Reassembler(), Reassembler()
+    buffer = _stage_and_claim(first, 1, 12345)
+    assert second.place(chunk(1, 0, 12345, 0, 12345)).obj is buffer

@@ -3,7 +3,8 @@
 Each call validates its arguments in the caller's thread (unsupported things raise at once),
 stages tensors into flat CPU buffers, and submits one coroutine to the process's I/O loop; the
 returned Work finishes when that coroutine does. Small tensors use direct exchange, large ones
-pipelined rings (``wanlink.collectives``).
+pipelined rings (``wanlink.collectives``), or the site-aware algorithms when the group spans
+sites where they pay off (docs/sites.md).
 """
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse
 from wanlink.c10d.deadlines import URGENT, current_deadline
 from wanlink.c10d.debug import VARIES, Fingerprint, check_fingerprint
 from wanlink.c10d.gc_freeze import freeze_gc_once
+from wanlink.c10d.identity import GroupIdentity
 from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
-from wanlink.collectives import direct, ring, sparse
+from wanlink.collectives import direct, sparse
+from wanlink.collectives.choice import AlgorithmChoice
 from wanlink.collectives.base import Comm, gather_all, split
-from wanlink.collectives.reduce_ops import finish_average, reducer_for
+from wanlink.collectives.reduce_ops import reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
 from wanlink.settings import Settings
 
@@ -39,7 +42,7 @@ SHUTDOWN_DRAIN_SECONDS = 10.0
 """Longest the world group waits at shutdown for peers to finish reading what it sent."""
 
 
-class ProcessGroupWanlink(ProcessGroup):
+class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
     """The "wanlink" backend: see docs/c10d.md."""
 
     def __init__(self, mesh: Mesh, owns_mesh: bool, mesh_ranks: Sequence[int], group_rank: int,
@@ -51,34 +54,13 @@ class ProcessGroupWanlink(ProcessGroup):
         self.label, self.default_timeout = group_name, timeout
         self._group_name, self._group_desc = group_name, group_name
         self.slot = mesh.claim_slot(group_name)
-        self.direct_max_bytes, self.piece_bytes = settings.direct_max_bytes, settings.piece_bytes
+        self.site_map = mesh.sites.subgroup(self.mesh_ranks)
+        self.algorithms = AlgorithmChoice.for_group(settings.direct_max_bytes, self.site_map)
+        self.piece_bytes = settings.piece_bytes
         self.detail = detail  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's fingerprint
         self._sequence = 0
         self._sequence_lock = threading.Lock()
         freeze_gc_once(settings.gc_freeze)
-
-    # -- identity -----------------------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
-        return "wanlink"
-
-    def name(self) -> str:
-        return "wanlink"
-
-    # torch's ProcessGroup keeps its name and description in its per-device Backends; a Python
-    # ProcessGroup has none, so `group_name` (which functional collectives, DTensor and FSDP2
-    # resolve groups by) would raise "ProcessGroup name not set". These overrides are what
-    # C++ (ProcessGroup::getGroupName) and Python (`pg.group_name`, `_set_group_name`) reach.
-    def getGroupName(self) -> str:  # noqa: N802 - torch's name
-        return self._group_name
-
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
-        self._group_desc = desc
 
     def __repr__(self) -> str:
         return f"ProcessGroupWanlink(group={self.label!r}, rank={self.group_rank}, size={self.group_size})"
@@ -150,30 +132,9 @@ class ProcessGroupWanlink(ProcessGroup):
         return self._launch(op, f"{op} #{sequence}", run(), outputs,
                             self._timeout_seconds(getattr(opts, "timeout", None)), comms)
 
-    def _is_small(self, size_bytes: int) -> bool:
-        return size_bytes <= self.direct_max_bytes
-
-    # -- algorithm choice (shared by single and coalesced calls) ----------------------------------
-    async def _run_allreduce(self, comm: Comm, buffer: torch.Tensor, reducer, name: str) -> None:
-        await (direct.allreduce if self._is_small(nbytes(buffer)) else ring.allreduce)(comm, buffer, reducer)
-        if name == "avg":
-            finish_average(buffer, self.group_size)
-
-    async def _run_reduce_scatter(self, comm: Comm, blocks: list[torch.Tensor], result: torch.Tensor,
-                                  reducer, name: str) -> None:
-        if self._is_small(nbytes(result) * self.group_size):
-            await direct.reduce_scatter(comm, blocks, result, reducer)
-        else:
-            await ring.reduce_scatter_into(comm, blocks, result, reducer)
-        if name == "avg":
-            finish_average(result, self.group_size)
-
-    async def _run_all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        if self._is_small(sum(nbytes(target) for target in targets)):
-            await direct.all_gather(comm, source, targets)
-        else:
-            targets[self.group_rank].copy_(source)
-            await ring.all_gather(comm, targets)
+    def sites(self) -> dict:
+        """This rank's site and LocalDPRank and the group's cells (``wanlink.c10d.site_map``)."""
+        return {**self.site_map.describe(self.group_rank), "site_aware": self.algorithms.site_aware}
 
     # -- reductions ---------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -189,7 +150,7 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.write(tensor, fill=True)
 
         async def body(comm: Comm) -> None:
-            await self._run_allreduce(comm, buffer, reducer, name)
+            await self.algorithms.allreduce(comm, buffer, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
 
@@ -217,7 +178,7 @@ class ProcessGroupWanlink(ProcessGroup):
         flat = torch.cat([staging.read(tensor) for tensor in tensors])
 
         async def body(comm: Comm) -> None:
-            await self._run_allreduce(comm, flat, reducer, name)
+            await self.algorithms.allreduce(comm, flat, reducer, name)
             copy_parts(flat, tensors)
 
         return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts)
@@ -228,7 +189,7 @@ class ProcessGroupWanlink(ProcessGroup):
         result = staging.write(output)
 
         async def body(comm: Comm) -> None:
-            await self._run_reduce_scatter(comm, blocks, result, reducer, name)
+            await self.algorithms.reduce_scatter(comm, blocks, result, reducer, name)
 
         return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts)
 
@@ -277,7 +238,7 @@ class ProcessGroupWanlink(ProcessGroup):
         dtype = outputs[0].dtype
         reducer = reducer_for(name, dtype, op)
         staging = Staging()
-        is_small = [self._is_small(nbytes(output) * self.group_size) for output in outputs]
+        is_small = [self.algorithms.is_small(nbytes(output) * self.group_size) for output in outputs]
         small = [i for i, flag in enumerate(is_small) if flag]
         jobs = [(self._blocks_of(source, output, staging), staging.write(output))  # (blocks, result) each
                 for flag, output, source in zip(is_small, outputs, inputs) if not flag]
@@ -290,7 +251,7 @@ class ProcessGroupWanlink(ProcessGroup):
             jobs.append((list(stacked), torch.empty(stacked.shape[1], dtype=dtype)))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([self._run_reduce_scatter(comm, blocks, result, reducer, name)
+            await gather_all([self.algorithms.reduce_scatter(comm, blocks, result, reducer, name)
                               for comm, (blocks, result) in zip(comms, jobs)])
             if joint:
                 copy_parts(jobs[-1][1], joint)
@@ -308,13 +269,10 @@ class ProcessGroupWanlink(ProcessGroup):
         reducer = reducer_for(name, tensor.dtype, op)
         staging = Staging()
         is_root = self.group_rank == root
-        small = self._is_small(nbytes(tensor))
         buffer = staging.write(tensor, fill=True) if is_root else staging.read(tensor)
 
         async def body(comm: Comm) -> None:
-            await (direct.reduce if small else ring.reduce)(comm, buffer, root, reducer)
-            if is_root and name == "avg":
-                finish_average(buffer, self.group_size)
+            await self.algorithms.reduce(comm, buffer, root, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
@@ -329,14 +287,14 @@ class ProcessGroupWanlink(ProcessGroup):
         buffer = staging.read(tensor) if self.group_rank == root else staging.write(tensor)
 
         async def body(comm: Comm) -> None:
-            await (direct.broadcast if self._is_small(nbytes(buffer)) else ring.broadcast)(comm, buffer, root)
+            await self.algorithms.broadcast(comm, buffer, root)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
     def _all_gather_into(self, op: str, source: torch.Tensor, targets: list[torch.Tensor],
                          staging: Staging, outputs: list, opts) -> WanlinkWork:
         async def body(comm: Comm) -> None:
-            await self._run_all_gather(comm, source, targets)
+            await self.algorithms.all_gather(comm, source, targets)
 
         return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts)
 
@@ -372,7 +330,7 @@ class ProcessGroupWanlink(ProcessGroup):
         """Rank k's inputs[i] lands in destinations[k][i], as one Work. Small inputs travel together
         as one all-gather of their bytes, concatenated (one round instead of one each); large ones
         run as their own all-gathers, all at once."""
-        is_small = [self._is_small(nbytes(tensor) * self.group_size) for tensor in inputs]
+        is_small = [self.algorithms.is_small(nbytes(tensor) * self.group_size) for tensor in inputs]
         small = [i for i, flag in enumerate(is_small) if flag]
         jobs = [(staging.read(tensor), [staging.write(row[i]) for row in destinations])  # (source, targets) each
                 for i, (flag, tensor) in enumerate(zip(is_small, inputs)) if not flag]
@@ -384,7 +342,7 @@ class ProcessGroupWanlink(ProcessGroup):
             jobs.append((gathered[self.group_rank], gathered))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([self._run_all_gather(comm, source, targets)
+            await gather_all([self.algorithms.all_gather(comm, source, targets)
                               for comm, (source, targets) in zip(comms, jobs)])
             if small:
                 for target, row in zip(gathered, landing):
@@ -396,7 +354,7 @@ class ProcessGroupWanlink(ProcessGroup):
         return self._collective(op, fingerprint, body, staging, outputs, opts, parts=len(jobs))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` = rank k's ``input_list[i]``, every tensor in one collective."""
+        """``dist.all_gather_coalesced``: ``output_lists[k][i]`` = rank k's ``input_list[i]``, in one collective."""
         op = "all_gather_coalesced"
         if not input_list or len(output_lists) != self.group_size:
             raise ConfigError(f"wanlink {op}: need at least one input and {self.group_size} output lists, "
@@ -556,7 +514,10 @@ class ProcessGroupWanlink(ProcessGroup):
         return self._p2p("recv", tensors, srcRank, tag, sending=False)
 
     def recv_anysource(self, tensors, tag: int):
-        """``dist.recv`` / ``dist.irecv`` without ``src``: receive from whichever rank sends on ``tag`` first; ``work._source_rank()`` names it."""
+        """``dist.recv`` / ``dist.irecv`` without ``src``: from whichever rank sends on ``tag`` first.
+
+        ``work._source_rank()`` names that rank.
+        """
         return self._p2p("recv", tensors, None, tag, sending=False)
 
     # torch >= 2.13 names; the underscore names are what older torch calls

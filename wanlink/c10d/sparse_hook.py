@@ -291,7 +291,8 @@ class BlockSparseState:
         if self._results:
             raise ConfigError("a step is still in flight: call flush() and step the optimizer before checkpointing")
         return {"iteration": self.iteration, "density": self.density, "velocities": self.velocities(),
-                "buckets": {index: [s.state_dict() for s in codec.sparsifiers] for index, codec in self._codecs.items()}}
+                "buckets": {index: [s.state_dict() for s in codec.sparsifiers]
+                            for index, codec in self._codecs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
@@ -388,7 +389,8 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     exchange = work.get_future().then(finish)
     if state.sparse_optimizer:
         state.apply_step(iteration - state.staleness)
-        ready = _futures_of(_previous_step_sources(state, iteration, params, exchange)) if state.staleness else [exchange]
+        ready = (_futures_of(_previous_step_sources(state, iteration, params, exchange)) if state.staleness
+                 else [exchange])
         return torch.futures.collect_all(ready).then(lambda _done: buffer)
     if not state.staleness:
         return exchange

@@ -11,6 +11,7 @@ from wanlink.proto.frames import (
     CLOSE_FRAME, FLAG_CHECKSUM, FLAG_EAGER, FLAG_LZ4, AbortReceived, AckReceived, ChunkReceived, CloseReceived,
     ControlReceived, FlowReceived, FrameDecoder, PingReceived, ack_header, compress_chunk, data_header,
 )
+from wanlink.proto.seal import FrameOpener, FrameSealer
 from wanlink.sched.chunking import Chunk
 
 MAX_FRAMES_PER_SEND = 256  # bounded by IOV_MAX (1024) with room to spare
@@ -30,7 +31,8 @@ class Stream:
     carries more chunks.
     """
 
-    def __init__(self, link, sock: socket.socket, index: int):
+    def __init__(self, link, sock: socket.socket, index: int, keys: tuple[bytes, bytes] | None = None):
+        """``keys``: (send, receive) keys of a sealed stream (``secure=True``), else None."""
         self.link = link
         self.sock = sock
         self.index = index
@@ -39,7 +41,11 @@ class Stream:
         self.in_flight: dict[tuple[int, int, int], Chunk] = {}
         self.control: list[bytes] = []
         self.wake = asyncio.Event()
-        self.decoder = FrameDecoder(link.place, link.limits)
+        self.decoder = FrameDecoder(link.place, link.limits)  # (the link breaks these cycles: detach())
+        self._sealer = None
+        if keys is not None:  # same interface: the reader never knows
+            self._sealer = FrameSealer(keys[0])
+            self.decoder = FrameOpener(self.decoder, keys[1], f"stream {index} of link {link.name}")
         loop = asyncio.get_running_loop()
         self.loop = loop
         self.last_rx = self.last_tx = loop.time()
@@ -70,10 +76,18 @@ class Stream:
 
     def _failed(self, exc: BaseException) -> None:
         """Socket errors lose this stream (its chunks are re-sent); anything else fails the link."""
+        link = self.link
+        if link is None:  # the link is finished already
+            return
         if isinstance(exc, (ConnectionError, OSError)):
-            self.link.stream_failed(self, exc)
+            link.stream_failed(self, exc)
         else:  # protocol errors and bugs fail the link, never the loop
-            self.link.fail(exc)
+            link.fail(exc)
+
+    def detach(self) -> None:
+        """Forget the (finished) link, so that nothing here keeps it alive (call once stopped)."""
+        self.link = None
+        self.decoder = None
 
     def _on_readable(self) -> None:
         """Receive until the socket is drained or the read budget is spent; dispatch every frame."""
@@ -94,6 +108,8 @@ class Stream:
                 self.bytes_received += n
                 for event in decoder.advance(n):
                     self._dispatch(event)
+                    if not self._reading:  # the link failed or closed meanwhile
+                        return
         except Exception as exc:  # noqa: BLE001 - see _failed
             self._stop_reading()
             self._failed(exc)
@@ -131,16 +147,17 @@ class Stream:
             self._read_done.set_result(None)
 
     async def _write_loop(self) -> None:
-        link = self.link
-        queue = link.queue
+        queue = self.link.queue  # (no local for the link: a cancelled writer's traceback would keep it alive)
         while True:
             if self.control:
                 frames, self.control = self.control[:MAX_FRAMES_PER_SEND], self.control[MAX_FRAMES_PER_SEND:]
+                if self._sealer is not None:
+                    frames = [self._sealer.seal_frame(frame) for frame in frames]
                 await self.send_frames(frames)
                 continue
             if self.closing:
                 return
-            chunk = None if link.peer_closed else queue.pop()  # a closing peer reads no more data
+            chunk = None if self.link.peer_closed else queue.pop()  # a closing peer reads no more data
             if chunk is not None:
                 if not chunk.acked:
                     await self._send_chunk(chunk)
@@ -167,7 +184,8 @@ class Stream:
                 payload = packed
         header = data_header(transfer.tag, transfer.seq, transfer.total, chunk.offset, len(payload),
                              flags=flags, raw_len=raw_len, checksum=checksum)
-        await self.send_frames([header, payload])
+        parts = [header, payload] if self._sealer is None else self._sealer.seal_data(header, payload)
+        await self.send_frames(parts)
         self.chunks_sent += 1
 
     async def send_frames(self, parts: list) -> None:

@@ -225,7 +225,8 @@ class ControlConnection:
                 self._expect = "done"
                 return ServerError(self._pending_errno)
             if self._buf:
-                raise RemoteProtocolError(f"iperf3 peer closed in the middle of a message ({len(self._buf)} bytes left)")
+                raise RemoteProtocolError(f"iperf3 peer closed in the middle of a message "
+                                          f"({len(self._buf)} bytes left)")
             self._closed_reported = True
             return ConnectionClosed()
         return NEED_DATA

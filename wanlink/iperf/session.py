@@ -211,7 +211,8 @@ class Session:
             counters = LinkCounters(link, send_chunk=link.chunk_size,
                                     recv_chunk=int(meta.get("chunk_size") or link.chunk_size))
             # the client's sending direction first, as iperf3's server takes the client-to-server streams first
-            channels = link_channels(counters, link.streams, [False, True] if params.bidirectional else [params.reverse])
+            directions = [False, True] if params.bidirectional else [params.reverse]
+            channels = link_channels(counters, link.streams, directions)
             self.connected = connected_json(link.stream_sockets())
             out.line(f"wanlink: link of {link.streams} streams from {link.peer}")
             for entry in self.connected:

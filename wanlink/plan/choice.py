@@ -47,7 +47,8 @@ class Choice:
             raise ConfigError(f"rank_speeds must be > 0, got {self.rank_speeds!r}")
 
     def describe(self) -> str:
-        parts = [f"streams={self.streams or 'default'}", "dense" if self.density is None else f"density={self.density:g}",
+        parts = [f"streams={self.streams or 'default'}",
+                 "dense" if self.density is None else f"density={self.density:g}",
                  f"staleness={self.staleness}", self.collective]
         if self.collective == "site":
             parts.append(f"cells={self.cells}")

@@ -77,10 +77,10 @@ def cmd_profile(args) -> int:
     model, batch, loss_fn = _load_model_function(args.model)
     profile = profile_model(model, batch, loss_fn=loss_fn, warmup=args.warmup, iterations=args.iterations,
                             bucket_cap_mb=args.bucket_cap_mb, density=args.density, name=args.model)
-    rows = [{"name": l.name, "forward_ms": l.forward_s * 1e3, "backward_ms": l.backward_s * 1e3,
-             "grad_mb": l.grad_bytes / 1e6} for l in profile.layers]
-    print(_table(rows, [("name", "layer", ""), ("forward_ms", "forward ms", ".3f"), ("backward_ms", "backward ms", ".3f"),
-                        ("grad_mb", "gradient MB", ".2f")]))
+    rows = [{"name": layer.name, "forward_ms": layer.forward_s * 1e3, "backward_ms": layer.backward_s * 1e3,
+             "grad_mb": layer.grad_bytes / 1e6} for layer in profile.layers]
+    print(_table(rows, [("name", "layer", ""), ("forward_ms", "forward ms", ".3f"),
+                        ("backward_ms", "backward ms", ".3f"), ("grad_mb", "gradient MB", ".2f")]))
     print(f"\n{len(profile.buckets)} buckets, {profile.grad_bytes / 1e6:.1f} MB of gradients; forward "
           f"{profile.forward_s * 1e3:.1f} ms, backward {profile.backward_s * 1e3:.1f} ms, step "
           f"{profile.step_s * 1e3:.1f} ms at batch {profile.batch_size}, {profile.threads} threads")
@@ -131,7 +131,8 @@ def cmd_predict(args) -> int:
         print(_table(rows, [("streams", "streams", "d"), ("density", "density", ""), ("staleness", "stale", "d"),
                             ("collective", "collective", ""), ("cells", "cells", "d"), ("split", "split", ""),
                             ("order", "order", ""), ("fine_s", "fine s", ".4f"), ("coarse_s", "coarse s", ".4f"),
-                            ("forward_s", "forward", ".4f"), ("backward_s", "backward", ".4f"), ("hook_s", "hook", ".4f"),
+                            ("forward_s", "forward", ".4f"), ("backward_s", "backward", ".4f"),
+                            ("hook_s", "hook", ".4f"),
                             ("wait_s", "wait", ".4f"), ("step_s", "step", ".4f"), ("wan_mb", "WAN MB/it", ".1f")]))
     if args.png and fastest is not None:
         from wanlink.plan.timeline import plot_timeline
@@ -186,8 +187,8 @@ def cmd_simulate(args) -> int:
                                 source="simulate options")
     profile = (load_profile(args.profile) if args.profile
                else synthetic_profile(args.gradient_mb, args.compute_ms, args.buckets, args.batch))
-    choice = Choice(density=_list(_density, args.density, "density")[0], staleness=args.staleness, collective=args.collective,
-                    cells=args.cells, order=args.order)
+    choice = Choice(density=_list(_density, args.density, "density")[0], staleness=args.staleness,
+                    collective=args.collective, cells=args.cells, order=args.order)
     started = time.perf_counter()
     fine = simulate(cluster, profile, choice)
     elapsed = time.perf_counter() - started

@@ -65,7 +65,8 @@ class Profile:
         batch = self.batch_size if batch_size is None else batch_size
         factor = (batch / self.batch_size) / speed
         buckets = tuple(replace(b, ready_s=b.ready_s * factor) for b in self.buckets)
-        layers = tuple(replace(l, forward_s=l.forward_s * factor, backward_s=l.backward_s * factor) for l in self.layers)
+        layers = tuple(replace(layer, forward_s=layer.forward_s * factor, backward_s=layer.backward_s * factor)
+                       for layer in self.layers)
         return replace(self, batch_size=batch, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor,
                        step_s=self.step_s / speed, buckets=buckets, layers=layers)
 

@@ -6,9 +6,9 @@ receive is posted (a GRANT frame naming (tag, seq); a receive posted before the 
 grants it ahead). Eager bytes are paid for with link-wide credit: the receiver advertises
 ``Limits.max_unexpected_bytes`` when the link starts and returns credit as eager bytes leave its
 staging. A CREDIT frame carries the total ever granted, so a frame repeated after a stream died,
-or overtaken by a later one, changes nothing (GRANT and ANNOUNCE are idempotent too). So whatever the two applications do, the receiver stages at most that
-many bytes for receives nobody posted yet. A late receiver therefore costs the sender time
-(its send waits for the grant), never the link.
+or overtaken by a later one, changes nothing (GRANT and ANNOUNCE are idempotent too). So whatever
+the two applications do, the receiver stages at most that many bytes for receives nobody posted
+yet. A late receiver therefore costs the sender time (its send waits for the grant), never the link.
 
 ``eager_window`` sizes the window from the path: one bandwidth-delay product hides the grant's
 round trip when the receive is posted as the send starts.

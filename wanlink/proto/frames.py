@@ -273,7 +273,8 @@ class FrameDecoder:
             else:
                 raw = self._target
             if header.flags & FLAG_CHECKSUM and zlib.crc32(raw) != header.checksum:
-                raise RemoteProtocolError(f"checksum mismatch in chunk at offset {header.offset} of tag={header.tag} seq={header.seq}")
+                raise RemoteProtocolError(f"checksum mismatch in chunk at offset {header.offset} "
+                                          f"of tag={header.tag} seq={header.seq}")
             event = ChunkReceived(header)
         self._expect_header([])
         return event

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import threading
 
 import numpy as np
 
@@ -30,9 +31,46 @@ from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
 PROBE_DISCARD_TAG = -1  # data sent on this tag is received, acknowledged and dropped by the peer
 SPARE_STAGING_BYTES = 64 * 1024 * 1024
-"""Staging buffers kept for reuse once their chunk moved to a posted buffer: chunks that arrive
-before their receive is posted (a peer entering a collective late) then cost a copy, not fresh
-pages that fault. When full, buffers of other sizes make room (the chunk size can change)."""
+"""Staging buffers kept for reuse, per process, once their chunk moved to a posted buffer: chunks
+that arrive before their receive is posted (a peer entering a collective late) then cost a copy,
+not fresh pages that fault. When full, buffers of other sizes make room (the chunk size can change)."""
+
+
+class StagingPool:
+    """Spare staging buffers by size, shared by every Reassembler of the process (thread-safe)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.bytes = 0
+        self._spare: dict[int, list] = {}  # size -> buffers (bytearray or uint8 array) free for reuse
+        self._lock = threading.Lock()
+
+    def take(self, size: int):
+        """A buffer of ``size`` bytes: a spare one, else a fresh one (not zeroed: a chunk overwrites it)."""
+        with self._lock:
+            buffers = self._spare.get(size)
+            if buffers:
+                self.bytes -= size
+                staged = buffers.pop()
+                if not buffers:
+                    del self._spare[size]
+                return staged
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, staged) -> None:
+        """Keep ``staged`` for reuse if there is room (making room from buffers of other sizes)."""
+        size = len(staged)
+        with self._lock:
+            while self.bytes + size > self.capacity:
+                other = next((s for s in self._spare if s != size), None)
+                if other is None:  # full of this size already
+                    return
+                self.bytes -= other * len(self._spare.pop(other))
+            self._spare.setdefault(size, []).append(staged)
+            self.bytes += size
+
+
+STAGING_POOL = StagingPool(SPARE_STAGING_BYTES)
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,8 +127,7 @@ class Reassembler:
         self.eager_bytes = 0  # bytes of eager chunks charged and not yet due back to the peer
         self._credit_due = 0
         self.duplicate_chunks = 0
-        self._spare: dict[int, list] = {}  # size -> staging buffers (bytearray or uint8 array) free for reuse
-        self._spare_bytes = 0
+        self._pool = STAGING_POOL
 
     # -- application side -------------------------------------------------------------------
     def post(self, tag: int, buffer: memoryview) -> Incoming:
@@ -203,6 +240,13 @@ class Reassembler:
         due, self._credit_due = self._credit_due, 0
         return due
 
+    def clear(self) -> None:
+        """Forget every message and free what is staged (the link is finished)."""
+        self._incoming.clear()
+        self._tags.clear()
+        self.unexpected_bytes = self.eager_bytes = 0
+        self._scratch = memoryview(bytearray(0))
+
     def pending(self) -> list[Incoming]:
         """Posted messages not finished yet."""
         return [e for e in self._incoming.values() if e.buffer is not None and not e.done]
@@ -218,7 +262,8 @@ class Reassembler:
             if entry.buffer is not None and len(entry.buffer) != header.total:
                 entry.error = _size_error(entry.tag, header.total, len(entry.buffer))
         elif entry.total != header.total:
-            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size {entry.total} -> {header.total}")
+            raise RemoteProtocolError(f"message tag={header.tag} seq={header.seq} changed size "
+                                      f"{entry.total} -> {header.total}")
         return entry
 
     def _charge(self, entry: Incoming, header: Header) -> None:
@@ -256,10 +301,8 @@ class Reassembler:
         size = len(data) if data is not None else size
         if data is not None:
             staged = bytearray(data)
-        elif size in self._spare:
-            staged = self._take_spare(size)
         else:
-            staged = np.empty(size, dtype=np.uint8)  # the chunk overwrites it: no zeroing pass
+            staged = self._pool.take(size)
         entry.staged[offset] = staged
         self.unexpected_bytes += size
         self.peak_unexpected_bytes = max(self.peak_unexpected_bytes, self.unexpected_bytes)
@@ -272,25 +315,7 @@ class Reassembler:
             entry.buffer[offset:offset + len(data)] = data
         self.unexpected_bytes -= len(data)
         self._release(entry, offset)
-        self._recycle(data)
-
-    def _take_spare(self, size: int):
-        buffers = self._spare[size]
-        staged = buffers.pop()
-        if not buffers:
-            del self._spare[size]
-        self._spare_bytes -= size
-        return staged
-
-    def _recycle(self, staged) -> None:
-        size = len(staged)
-        while self._spare_bytes + size > SPARE_STAGING_BYTES:
-            other = next((s for s in self._spare if s != size), None)
-            if other is None:  # full of this size already
-                return
-            self._take_spare(other)
-        self._spare.setdefault(size, []).append(staged)
-        self._spare_bytes += size
+        self._pool.give(data)
 
     def _settle(self, entry: Incoming, offset: int) -> None:
         """A chunk finished landing: move it if the message was claimed or given back meanwhile."""

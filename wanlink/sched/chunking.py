@@ -68,7 +68,8 @@ class OutgoingTransfer:
         """Record the peer's ack of the chunk at ``offset``; True when it was new."""
         chunk = self._by_offset.get(offset)
         if chunk is None or len(chunk.view) != length:
-            raise RemoteProtocolError(f"ack for [{offset}, {offset + length}) matches no chunk of tag={self.tag} seq={self.seq}")
+            raise RemoteProtocolError(f"ack for [{offset}, {offset + length}) matches no chunk "
+                                      f"of tag={self.tag} seq={self.seq}")
         if chunk.acked:
             return False
         chunk.acked = True
