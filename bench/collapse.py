@@ -15,7 +15,6 @@ uncorrected run fell lowest. Writes collapse.{json,png} to --out (bench/results/
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -24,8 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import fidelity_models  # noqa: E402
-from bench.fidelity import run_jobs  # noqa: E402
+from bench.fidelity import SHAPES, run_jobs  # noqa: E402
 
 WARMUP = 50
 VARIANTS = (("dense", "sgd", "dense gloo, SGD momentum 0.9"),
@@ -76,14 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     output = Run(args)
     shape = args.shape
-    if args.steps:
-        fidelity_models.SHAPES[shape] = dataclasses.replace(fidelity_models.SHAPES[shape], steps=args.steps)
-    steps = fidelity_models.SHAPES[shape].steps
+    steps = args.steps or SHAPES[shape].steps
     load_before = os.getloadavg()
     started = time.perf_counter()
 
     def job(mode, optimizer, seed):
-        return {"shape": shape, "seed": seed, "mode": mode, "optimizer": optimizer, "warmup": WARMUP, "trace": True}
+        return {"shape": shape, "seed": seed, "mode": mode, "optimizer": optimizer, "warmup": WARMUP, "trace": True,
+                "steps": steps}
 
     def show(run):
         print(f"  seed {run['seed']} {run['mode']} {run['optimizer']}: {run.get('final', run.get('failed'))}",
