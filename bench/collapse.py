@@ -8,14 +8,13 @@ now refuses, so it runs as ``UncheckedMomentumSGD``); the same with the momentum
 (``BlockSparseState(momentum=0.9)`` + ``SGD(momentum=0)``); and SparseSGD. Per step it records
 the loss, the norm of the parameter update and the norm of every momentum buffer (the optimizer's
 and the hook's velocities); the uncorrected variant runs every seed, the others the seed whose
-uncorrected run ended worst. Writes bench/results/collapse.{json,png}.
+uncorrected run fell lowest. Writes collapse.{json,png} to --out (bench/results/ with --publish).
 
-    python3 dev.py bench bench/collapse.py [--shape digits-mlp] [--seeds 0 1 2] [--steps 600]
+    python3 dev.py bench bench/collapse.py [--shape digits-mlp] [--seeds 0 1 2] [--steps 600] [--publish]
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -24,8 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import fidelity_models  # noqa: E402
-from bench.fidelity import run_jobs  # noqa: E402
+from bench.fidelity import SHAPES, run_jobs  # noqa: E402
 
 WARMUP = 50
 VARIANTS = (("dense", "sgd", "dense gloo, SGD momentum 0.9"),
@@ -40,9 +38,9 @@ def smooth(values: list[float], width: int = 9) -> list[float]:
             for i in range(len(values))]
 
 
-def plot(runs: list[dict], shape: str, failing: int) -> None:
+def plot(runs: list[dict], shape: str, failing: int, run) -> None:
     """Accuracy, loss, update norm and momentum norm per step of every variant on the failing seed."""
-    from bench.reporting import new_figure, save_figure
+    from bench.reporting import new_figure
 
     fig, axes = new_figure(4, 1, figsize=(9, 11), sharex=True)
     for mode, optimizer, label in VARIANTS:
@@ -62,26 +60,27 @@ def plot(runs: list[dict], shape: str, failing: int) -> None:
     axes[3].set_xlabel("step")
     axes[0].set_title(f"{shape}, seed {failing}, 2 ranks, batch 16 per rank (dotted: end of dense warm-up)")
     axes[0].legend(fontsize=7)
-    print("wrote", save_figure(fig, "collapse"))
+    print("wrote", run.save_figure(fig, "collapse"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import print_table, save_json
+    from bench.reporting import Run, add_output_options, print_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--shape", default="digits-mlp", choices=("digits-mlp", "digits-mlp-24m"))
     parser.add_argument("--steps", type=int, default=None, help="default: the shape's own")
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    output = Run(args)
     shape = args.shape
-    if args.steps:
-        fidelity_models.SHAPES[shape] = dataclasses.replace(fidelity_models.SHAPES[shape], steps=args.steps)
-    steps = fidelity_models.SHAPES[shape].steps
+    steps = args.steps or SHAPES[shape].steps
     load_before = os.getloadavg()
     started = time.perf_counter()
 
     def job(mode, optimizer, seed):
-        return {"shape": shape, "seed": seed, "mode": mode, "optimizer": optimizer, "warmup": WARMUP, "trace": True}
+        return {"shape": shape, "seed": seed, "mode": mode, "optimizer": optimizer, "warmup": WARMUP, "trace": True,
+                "steps": steps}
 
     def show(run):
         print(f"  seed {run['seed']} {run['mode']} {run['optimizer']}: {run.get('final', run.get('failed'))}",
@@ -103,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.perf_counter() - started) / 60
     print(f"failing seed {failing}; {minutes:.1f} min; load average before {load_before[0]:.2f}, "
           f"after {os.getloadavg()[0]:.2f}")
-    save_json("collapse", {"shape": shape, "steps": steps, "warmup_steps": WARMUP, "failing_seed": failing,
+    output.save_json("collapse", {"shape": shape, "steps": steps, "warmup_steps": WARMUP, "failing_seed": failing,
                            "load_before": load_before, "load_after": os.getloadavg(), "rows": rows, "runs": runs})
 
-    plot(runs, shape, failing)
+    plot(runs, shape, failing, output)
     return 0
 
 

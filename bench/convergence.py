@@ -1,8 +1,9 @@
 """Convergence of block-sparse training against dense DDP: 2 ranks over loopback, scikit-learn digits.
 
 Variants, same seeds and data split: dense DDP on gloo; wanlink with the block-sparse hook at 1 %
-density and error feedback, SGD's momentum in the hook; the same with partial staleness 1. Prints the per-epoch test accuracy,
-writes convergence.{json,png} to --out (bench/results/ with --publish). tests/c10d/test_convergence.py runs it on CI.
+density and error feedback, SGD's momentum in the hook; the same with partial staleness 1. Prints the
+per-epoch test accuracy, writes convergence.{json,png} to --out (bench/results/ with --publish).
+tests/c10d/test_convergence.py runs it on CI.
 
     python3 dev.py bench bench/convergence.py [--epochs 30] [--density 0.01]
 """

@@ -91,7 +91,7 @@ def worker(args) -> None:
         dist.init_process_group(variant["backend"], store=store, rank=args.rank, world_size=2)
     torch.manual_seed(0)
     if args.shape:  # one of bench/fidelity.py's shapes: its model and its own real batches
-        from bench.fidelity_models import SHAPES, Task
+        from bench.fidelity import SHAPES, Task
 
         task = Task(SHAPES[args.shape], 0, args.rank, 2)
         model = task.model
@@ -155,7 +155,8 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool, shape: str = "") -> dict:
+def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool,
+                shape: str = "") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name, "--shape", shape,
@@ -236,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep-freed: every rank runs with "
                         + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()))
     parser.add_argument("--name", default="e2e_training", help="file name of the JSON and PNG")
-    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
-    parser.add_argument("--shape", default="", help="train one of bench/fidelity_models.py's SHAPES on its data "
+    parser.add_argument("--shape", default="", help="train one of bench/fidelity.py's SHAPES on its data "
                         f"instead of the {WIDTH}-wide MLP on a teacher task")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--variant", "--master", "--rank-out", "--address"):
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             for index, name in enumerate(args.variants):
                 row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index,
                                   keep_freed_memory=args.malloc == "keep-freed", shape=args.shape)
-                row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms, slow_start_after_idle=args.slow_start_after_idle,
+                row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms,
+                           slow_start_after_idle=args.slow_start_after_idle,
                            malloc=args.malloc)
                 if "median_hook_s" in row:
                     row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
@@ -280,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                                             if same_wire else float("nan"))
         # a dense all-reduce of 2 ranks moves every gradient byte once each way: the bandwidth floor
         row["dense_floor_s"] = 8 * 4 * row["params"] / (row["rate_mbit"] * 1e6)
-    batch = 16 if args.shape else BATCH  # bench.fidelity_models.BATCH
-    print(f"\n{args.shape or 'MLP'}: {rows[0]['params'] / 1e6:.2f}M parameters, batch {batch}, 2 ranks, {args.rtt_ms:g} ms RTT, "
+    batch = 16 if args.shape else BATCH  # bench.fidelity.BATCH
+    print(f"\n{args.shape or 'MLP'}: {rows[0]['params'] / 1e6:.2f}M parameters, batch {batch}, 2 ranks, "
+          f"{args.rtt_ms:g} ms RTT, "
           f"tcp_slow_start_after_idle={args.slow_start_after_idle}; load {os.getloadavg()[0]:.2f}; "
           "phases are medians (hook and wait: sparse variants only)")
     print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("iterations", "iters", "d"),

@@ -1,6 +1,6 @@
 """Fidelity matrix of the block-sparse path: model shapes x optimizers x staleness x seeds, against dense DDP.
 
-Two ranks over loopback train each shape (bench/fidelity_models.py: a digits MLP, a digits CNN, a
+Two ranks over loopback train each shape (SHAPES below: a digits MLP, a digits CNN, a
 byte-level transformer LM on standard-library source) with the same seeds in every cell: dense
 DDP on gloo, and wanlink's block-sparse hook at 1 % density with staleness 0 and 1. Optimizers:
 torch SGD with momentum 0.9 (on the sparse path the momentum moves into the hook:
@@ -8,9 +8,9 @@ torch SGD with momentum 0.9 (on the sparse path the momentum moves into the hook
 refused, and that cell records the message), torch AdamW, and wanlink's SparseSGD
 (``sparse_optimizer=True``). Prints mean and worst final accuracy (or held-out loss) per cell and
 whether the worst seed is within 1 point (2 % relative loss) of dense's mean; writes
-bench/results/fidelity.{json,png}.
+fidelity.{json,png} to --out (bench/results/ with --publish).
 
-    python3 dev.py bench bench/fidelity.py [--shapes digits-mlp digits-cnn stdlib-lm] [--seeds 5]
+    python3 dev.py bench bench/fidelity.py [--shapes digits-mlp digits-cnn stdlib-lm] [--seeds 5] [--publish]
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ import math
 import os
 import statistics
 import sys
+import sysconfig
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -28,8 +30,137 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.fidelity_models import DEFAULT_SHAPES, SHAPES, Task  # noqa: E402
+# -- model shapes and their offline data ---------------------------------------------------------
+BATCH = 16  # per rank
 
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    metric: str  # "accuracy" (higher is better, %) or "loss" (lower is better)
+    steps: int
+    sgd_lr: float
+    adam_lr: float
+
+
+SHAPES = {
+    "digits-mlp": Shape("digits-mlp", "accuracy", steps=600, sgd_lr=0.05, adam_lr=1e-3),
+    "digits-cnn": Shape("digits-cnn", "accuracy", steps=600, sgd_lr=0.05, adam_lr=2e-3),
+    "stdlib-lm": Shape("stdlib-lm", "loss", steps=400, sgd_lr=0.1, adam_lr=2e-3),
+    # the issue's report: a ~24M-parameter MLP on digits (bench/collapse.py; too slow for the matrix)
+    "digits-mlp-24m": Shape("digits-mlp-24m", "accuracy", steps=450, sgd_lr=0.01, adam_lr=1e-4),
+}
+DEFAULT_SHAPES = ("digits-mlp", "digits-cnn", "stdlib-lm")
+
+STDLIB_FILES = ("argparse.py", "inspect.py", "typing.py", "dataclasses.py", "enum.py", "functools.py")
+CONTEXT = 32
+VOCAB = 128  # ASCII; other bytes map to "?"
+
+
+def _digits(standardise: bool):
+    from bench.convergence import load_split  # scikit-learn's bundled digits, a fixed 80/20 split
+
+    train_x, train_y, test_x, test_y = load_split()
+    if standardise:
+        mean, std = train_x.mean(0), train_x.std(0) + 1e-6
+        train_x, test_x = (train_x - mean) / std, (test_x - mean) / std
+    return train_x, train_y, test_x, test_y
+
+
+class TinyLM(torch.nn.Module):
+    """A 2-layer pre-norm causal transformer over bytes (~110k parameters)."""
+
+    def __init__(self, width: int = 64, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.position = torch.nn.Parameter(torch.zeros(CONTEXT, width))
+        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, VOCAB)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False)
+
+    def forward(self, tokens):
+        hidden = self.embed(tokens) + self.position[: tokens.shape[1]]
+        hidden = self.blocks(hidden, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True)
+        return self.head(self.norm(hidden))
+
+
+def stdlib_text() -> torch.Tensor:
+    """The bytes of a few standard-library modules, as int64 tokens below VOCAB."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    raw = b"".join((root / name).read_bytes() for name in STDLIB_FILES)
+    tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+    return torch.where(tokens < VOCAB, tokens, torch.full_like(tokens, ord("?")))
+
+
+class Task:
+    """One shape's model and data for one rank of a 2-rank run, all fixed by ``seed``."""
+
+    def __init__(self, shape: Shape, seed: int, rank: int, world: int):
+        self.shape, self.seed, self.rank, self.world = shape, seed, rank, world
+        torch.manual_seed(seed)
+        if shape.name == "stdlib-lm":
+            self.model = TinyLM()
+            text = stdlib_text()
+            cut = int(0.9 * text.numel())
+            self.train_text, test_text = text[:cut], text[cut:]
+            starts = torch.arange(0, test_text.numel() - CONTEXT - 1, (test_text.numel() - CONTEXT - 1) // 128)[:128]
+            self.test = (torch.stack([test_text[s:s + CONTEXT] for s in starts]),
+                         torch.stack([test_text[s + 1:s + CONTEXT + 1] for s in starts]))
+        else:
+            cnn = shape.name == "digits-cnn"
+            self.model = _digits_cnn() if cnn else _digits_mlp(shape.name)
+            train_x, train_y, test_x, test_y = _digits(standardise=not cnn)
+            if cnn:
+                train_x, test_x = train_x.view(-1, 1, 8, 8), test_x.view(-1, 1, 8, 8)
+            self.shard = (train_x[rank::world], train_y[rank::world])
+            self.test = (test_x, test_y)
+
+    def batch(self, step: int):
+        """The rank's batch for ``step``: its shard reshuffled every epoch, or random LM windows."""
+        generator = torch.Generator().manual_seed(1_000_003 * self.seed + 7919 * step + self.rank)
+        if self.shape.name == "stdlib-lm":
+            starts = torch.randint(0, self.train_text.numel() - CONTEXT - 1, (BATCH,), generator=generator)
+            return (torch.stack([self.train_text[s:s + CONTEXT] for s in starts]),
+                    torch.stack([self.train_text[s + 1:s + CONTEXT + 1] for s in starts]))
+        x, y = self.shard
+        per_epoch = len(y) // BATCH
+        epoch = torch.Generator().manual_seed(1_000_003 * self.seed + 104_729 * (step // per_epoch) + self.rank)
+        order = torch.randperm(len(y), generator=epoch)
+        index = order[(step % per_epoch) * BATCH:(step % per_epoch + 1) * BATCH]
+        return x[index], y[index]
+
+    def loss(self, output, target):
+        return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Test accuracy in % (digits) or held-out loss in nats per byte (LM)."""
+        x, y = self.test
+        output = self.model(x)
+        if self.shape.metric == "loss":
+            return self.loss(output, y).item()
+        return 100.0 * (output.argmax(1) == y).float().mean().item()
+
+
+def _digits_mlp(name: str):
+    widths = (64, 4096, 4096, 1536, 10) if name == "digits-mlp-24m" else (64, 256, 256, 10)
+    layers = []
+    for fan_in, fan_out in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _digits_cnn():
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                               torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+# -- the matrix ------------------------------------------------------------------------------------
 DENSITY = 0.01
 MOMENTUM = 0.9
 WARMUP_STEPS = 50
@@ -127,17 +258,18 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
         ddp, state, optimizer, step = make_training(job, task.model, group)
     except ConfigError as error:  # a refused combination is a result of the matrix
         return {**job, "refused": f"{type(error).__name__}: {error}"}
-    every = max(1, shape.steps // EVALUATIONS)
+    steps = job.get("steps", shape.steps)
+    every = max(1, steps // EVALUATIONS)
     curve, trace = [], []
     start = time.perf_counter()
     try:
-        for iteration in range(shape.steps):
+        for iteration in range(steps):
             before = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()]) if job.get("trace") else None
             optimizer.zero_grad()
             x, y = task.batch(iteration)
             loss = task.loss(ddp(x), y)
             loss.backward()
-            last = iteration == shape.steps - 1
+            last = iteration == steps - 1
             step()
             if last and state is not None and state.flush():
                 step()
@@ -239,8 +371,8 @@ def summarise(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(runs: list[dict], shapes) -> None:
-    from bench.reporting import new_figure, save_figure
+def plot(runs: list[dict], shapes, run) -> None:
+    from bench.reporting import new_figure
 
     fig, axes = new_figure(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     colours = {}
@@ -259,16 +391,18 @@ def plot(runs: list[dict], shapes) -> None:
         if metric == "accuracy":
             ax.set_ylim(80, 100)
     axes[0][-1].legend(fontsize=7)
-    print("wrote", save_figure(fig, "fidelity"))
+    print("wrote", run.save_figure(fig, "fidelity"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.reporting import print_table, save_json
+    from bench.reporting import Run, add_output_options, print_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell")
+    add_output_options(parser)
     args = parser.parse_args(argv)
+    run = Run(args)
     load_before = os.getloadavg()
     started = time.perf_counter()
     jobs = matrix_jobs(args.shapes, list(range(args.seeds)))
@@ -289,10 +423,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"refused: {row['shape']} / {row['optimizer']} / {row['mode']}: {row['message']}")
     minutes = (time.perf_counter() - started) / 60
     print(f"{minutes:.1f} min; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    save_json("fidelity", {"density": DENSITY, "momentum": MOMENTUM, "warmup_steps": WARMUP_STEPS,
+    run.save_json("fidelity", {"density": DENSITY, "momentum": MOMENTUM, "warmup_steps": WARMUP_STEPS,
                            "load_before": load_before, "load_after": os.getloadavg(), "minutes": minutes,
                            "rows": rows, "runs": runs})
-    plot(runs, args.shapes)
+    plot(runs, args.shapes, run)
     return 0 if all(r["verdict"] in ("ok", "refused") for r in rows) else 1
 
 

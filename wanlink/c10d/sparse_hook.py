@@ -20,6 +20,12 @@ step and before checkpoints. With ``sparse_optimizer=True`` the hook keeps the a
 ``SparseSGD.step(sparse_grads=state.sparse_grads())`` and leaves ``.grad`` as this rank's own,
 unaveraged gradient, which that step does not read (clearing 100 MB per step would cost more
 than the sparse step itself).
+
+Momentum: an optimizer with momentum behind sparse updates diverges (error feedback delivers a
+block's gradients in bursts, which the momentum keeps applying for tens of steps), so it is
+refused at its first step. Either ``momentum=`` here (Deep Gradient Compression's momentum
+correction: the velocity is sparsified, a sent block's velocity restarts) with a momentum-free
+optimizer, or ``sparse_optimizer=True`` with SparseSGD, whose momentum only moves updated blocks.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
