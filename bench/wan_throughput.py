@@ -8,6 +8,8 @@ the same path it measures:
 * ``iperf3 -P 1`` and ``iperf3 -P 8`` (stock binary, A -> B, receiver-side bits/s);
 * ``wanlink-iperf`` (A -> B over one wanlink Link) with the stream count probed, and with -P 1, 4, 16;
 * a gloo ``broadcast`` of 256 MiB from rank 0 in A to rank 1 in B (torch.distributed, 2 ranks).
+* with ``--secure``: wanlink-iperf again with ``WANLINK_SECURE=1`` on both sides (N = 4 and probed),
+  to compare encrypted with plaintext links on the same path in the same run.
 
 Socket buffers: by default nobody sets them (kernel autotuning under the namespace caps), so the
 wanlink/iperf3 ratio is the gain from striping alone. With ``--window SIZE`` every case is also
@@ -17,6 +19,7 @@ same buffer policy).
 
     sudo python3 bench/wan_throughput.py [--seconds 8] [--rate-mbit 2000] [--window 4M] [--only 40ms]
         [--cases "wanlink auto" "iperf3 -P 8"] [--buffers window] [--name wan_throughput_40ms] [--publish]
+        [--secure]
 
 Writes <name>.{json,png} (default wan_throughput) to --out (bench/results/ with --publish) and
 prints a table. Needs root,
@@ -48,10 +51,12 @@ PATHS = [  # (label, rtt_ms, loss)
 ]
 WANLINK_CASES = [("wanlink auto", None), ("wanlink N=1", 1), ("wanlink N=4", 4), ("wanlink N=16", 16)]
 IPERF_CASES = [("iperf3 -P 1", 1), ("iperf3 -P 8", 8)]
+SECURE_CASES = [("wanlink secure N=4", 4), ("wanlink secure auto", None)]  # --secure: WANLINK_SECURE=1 both sides
 
 
-def _env() -> dict:
+def _env(secure: bool = False) -> dict:
     env = dict(os.environ)
+    env["WANLINK_SECURE"] = "1" if secure else "0"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["WANLINK_SECRET"] = SECRET
     env["GLOO_SOCKET_IFNAME"] = "wan0"  # the emulated path's device in both namespaces
@@ -59,9 +64,10 @@ def _env() -> dict:
     return env
 
 
-def _start_server(path, argv: list[str]) -> subprocess.Popen:
+def _start_server(path, argv: list[str], env: dict | None = None) -> subprocess.Popen:
     """Start a server in namespace B and wait (unbuffered reads) for its 'Server listening' line."""
-    proc = path.popen_b(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, env=_env(), cwd=ROOT)
+    proc = path.popen_b(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, env=env or _env(),
+                        cwd=ROOT)
     fd, seen = proc.stdout.fileno(), b""
     deadline = time.monotonic() + 30
     while b"Server listening" not in seen:
@@ -75,9 +81,9 @@ def _start_server(path, argv: list[str]) -> subprocess.Popen:
     return proc
 
 
-def _client(path, argv: list[str], timeout: float) -> tuple[dict, float]:
+def _client(path, argv: list[str], timeout: float, env: dict | None = None) -> tuple[dict, float]:
     t0 = time.monotonic()
-    done = path.run_a(argv, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=timeout)
+    done = path.run_a(argv, capture_output=True, text=True, env=env or _env(), cwd=ROOT, timeout=timeout)
     wall = time.monotonic() - t0
     try:
         doc = json.loads(done.stdout)
@@ -110,19 +116,20 @@ def run_iperf3(path, streams: int, seconds: float, window: str | None) -> dict:
             "retransmits": end["sum_sent"].get("retransmits")}
 
 
-def run_wanlink(path, streams: int | None, seconds: float, window: str | None) -> dict:
+def run_wanlink(path, streams: int | None, seconds: float, window: str | None, secure: bool = False) -> dict:
+    env = _env(secure)
     cli = [sys.executable, "-m", "wanlink.iperf"]
     server_argv = cli + ["-s", "-1", "-B", path.addr_b, "-p", str(PORT), "-i", "0"]
     if window:  # wanlink links take socket options from each side's own -w (the server's is per server)
         server_argv += ["-w", window]
-    server = _start_server(path, server_argv)
+    server = _start_server(path, server_argv, env)
     try:
         argv = cli + ["-c", path.addr_b, "-p", str(PORT), "-t", str(seconds), "-J", "-i", "0"]
         if streams is not None:
             argv += ["-P", str(streams)]
         if window:
             argv += ["-w", window]
-        doc, wall = _client(path, argv, timeout=seconds + 180)
+        doc, wall = _client(path, argv, timeout=seconds + 180, env=env)
     finally:
         _finish(server)
     end, wl = doc["end"], doc["wanlink"]
@@ -169,7 +176,12 @@ def gloo_worker(rank: int, master: str, size_mib: int) -> None:
     dist.destroy_process_group()
 
 
-def plan_cases(window: str | None, gloo_mib: int, *, cases: list[str] = (), buffers: str = "all") -> list[tuple]:
+def run_wanlink_secure(path, streams: int | None, seconds: float, window: str | None) -> dict:
+    return run_wanlink(path, streams, seconds, window, secure=True)
+
+
+def plan_cases(window: str | None, gloo_mib: int, *, cases: list[str] = (), buffers: str = "all",
+               secure: bool = False) -> list[tuple]:
     """(name, buffer policy or None, runner, stream count) per case of one path, filtered.
 
     ``cases`` keeps the cases whose name starts with one of its strings (all when empty);
@@ -181,18 +193,20 @@ def plan_cases(window: str | None, gloo_mib: int, *, cases: list[str] = (), buff
         raise ValueError("--buffers window needs --window")
     policies = {"all": [None] + ([window] if window else []), "autotune": [None], "window": [window]}[buffers]
     planned = [(name, policy, runner, n) for policy in policies
-               for runner, named in ((run_iperf3, IPERF_CASES), (run_wanlink, WANLINK_CASES)) for name, n in named]
+               for runner, named in ((run_iperf3, IPERF_CASES), (run_wanlink, WANLINK_CASES),
+                                     (run_wanlink_secure, SECURE_CASES if secure else []))
+               for name, n in named]
     if buffers != "window":
         planned.append((f"gloo broadcast {gloo_mib} MiB", None, run_gloo, None))
     return [case for case in planned if not cases or any(case[0].startswith(prefix) for prefix in cases)]
 
 
 def measure(seconds: float, rate_mbit: float, window: str | None, gloo_mib: int, only: list[str],
-            cases: list[str] = (), buffers: str = "all") -> list[dict]:
+            cases: list[str] = (), buffers: str = "all", secure: bool = False) -> list[dict]:
     from bench.wanem.netns import WanPath
 
     rows = []
-    planned = plan_cases(window, gloo_mib, cases=cases, buffers=buffers)
+    planned = plan_cases(window, gloo_mib, cases=cases, buffers=buffers, secure=secure)
     for label, rtt, loss in PATHS:
         if only and label not in only:
             continue
@@ -277,6 +291,8 @@ def main(argv=None) -> int:
                    help="run only cases whose name starts with one of these (e.g. 'wanlink auto' 'iperf3 -P 8')")
     p.add_argument("--buffers", choices=("all", "autotune", "window"), default="all",
                    help="buffer policies to run: both, kernel autotuning only, or only --window")
+    p.add_argument("--secure", action="store_true",
+                   help="also run wanlink with WANLINK_SECURE=1 on both sides (cases 'wanlink secure ...')")
     p.add_argument("--name", default="wan_throughput", help="file name of the JSON and PNG")
     p.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(p)
@@ -303,7 +319,7 @@ def main(argv=None) -> int:
         plan_cases(a.window, a.gloo_mib, buffers=a.buffers)
     except ValueError as exc:
         p.error(str(exc))
-    rows = measure(a.seconds, a.rate_mbit, a.window, a.gloo_mib, a.only, a.cases, a.buffers)
+    rows = measure(a.seconds, a.rate_mbit, a.window, a.gloo_mib, a.only, a.cases, a.buffers, a.secure)
     print()
     shown = [{k: ("" if v is None else v) for k, v in r.items()} for r in rows]
     print_table(shown, [("path", "path", ""), ("case", "case", ""), ("buffers", "buffers", ""),
