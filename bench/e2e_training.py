@@ -70,6 +70,32 @@ def timed(hook, clock: dict):
     return timed_hook
 
 
+def join_world(args, backend: str | None) -> None:
+    """A rank's set-up inside its namespace: one thread, its addresses, the process group (None: alone)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["WANLINK_ADDR"] = args.address
+    os.environ["GLOO_SOCKET_IFNAME"] = "wan0"
+    if backend is not None:
+        store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
+        dist.init_process_group(backend, store=store, rank=args.rank, world_size=2)
+
+
+def mlp_and_batches(rank: int):
+    """The MLP (seed 0) and this rank's fixed batches of the synthetic teacher task."""
+    import torch
+
+    torch.manual_seed(0)
+    model = make_model()
+    teacher = torch.nn.Linear(DEPTH_IN, CLASSES)
+    data = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
+    with torch.no_grad():
+        return model, [(x, teacher(x).argmax(1)) for x in inputs]
+
+
 def worker(args) -> None:
     """One rank: runs inside its namespace, writes its timings as JSON."""
     import torch
@@ -82,23 +108,17 @@ def worker(args) -> None:
     from wanlink.optim import SparseSGD
 
     variant = VARIANTS[args.variant]
-    torch.set_num_threads(1)
-    os.environ["WANLINK_ADDR"] = args.address
-    os.environ["GLOO_SOCKET_IFNAME"] = "wan0"
     distributed = variant["backend"] is not None
-    if distributed:
-        store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
-        dist.init_process_group(variant["backend"], store=store, rank=args.rank, world_size=2)
-    torch.manual_seed(0)
+    join_world(args, variant["backend"])
     if args.shape:  # one of bench/fidelity.py's shapes: its model and its own real batches
         from bench.fidelity_models import SHAPES, Task
 
+        torch.manual_seed(0)
         task = Task(SHAPES[args.shape], 0, args.rank, 2)
         model = task.model
         batches = [task.batch(i) for i in range(DATA_BATCHES)]
     else:
-        model = make_model()
-        teacher = torch.nn.Linear(DEPTH_IN, CLASSES)
+        model, batches = mlp_and_batches(args.rank)
     ddp = DDP(model, gradient_as_bucket_view=True) if distributed else model
     state = None
     clock = {"hook_s": 0.0, "returned": None}
@@ -113,11 +133,6 @@ def worker(args) -> None:
     momentum = 0.0 if state is not None and state.momentum else 0.9
     optimizer = (SparseSGD if variant["sparse_optimizer"] else torch.optim.SGD)(ddp.parameters(), lr=0.01,
                                                                                 momentum=momentum)
-    if not args.shape:
-        data = torch.Generator().manual_seed(args.rank)
-        inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
-        with torch.no_grad():
-            batches = [(x, teacher(x).argmax(1)) for x in inputs]
     records = []
     if distributed:
         dist.barrier()
@@ -275,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             for index, (name, order) in enumerate(runs):
                 row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index,
                                   keep_freed_memory=args.malloc == "keep-freed", shape=args.shape, chunk_order=order)
-                row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms, slow_start_after_idle=args.slow_start_after_idle,
+                row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms,
+                           slow_start_after_idle=args.slow_start_after_idle,
                            malloc=args.malloc)
                 if "median_hook_s" in row:
                     row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
@@ -292,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         # a dense all-reduce of 2 ranks moves every gradient byte once each way: the bandwidth floor
         row["dense_floor_s"] = 8 * 4 * row["params"] / (row["rate_mbit"] * 1e6)
     batch = 16 if args.shape else BATCH  # bench.fidelity_models.BATCH
-    print(f"\n{args.shape or 'MLP'}: {rows[0]['params'] / 1e6:.2f}M parameters, batch {batch}, 2 ranks, {args.rtt_ms:g} ms RTT, "
+    print(f"\n{args.shape or 'MLP'}: {rows[0]['params'] / 1e6:.2f}M parameters, batch {batch}, 2 ranks, "
+          f"{args.rtt_ms:g} ms RTT, "
           f"tcp_slow_start_after_idle={args.slow_start_after_idle}; load {os.getloadavg()[0]:.2f}; "
           "phases are medians (hook and wait: sparse variants only)")
     print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("chunk_order", "order", ""),
