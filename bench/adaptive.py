@@ -25,7 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e_training import DATA_BATCHES, KEEP_FREED_MEMORY, join_world, mlp_and_batches  # noqa: E402
+from bench.e2e_training import (  # noqa: E402
+    DATA_BATCHES, KEEP_FREED_MEMORY, join_world, mlp_and_batches, set_slow_start_after_idle,
+)
 
 VARIANTS = {
     "compute only, 2 ranks": {"backend": None, "density": None},
@@ -198,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args)
     runs = []
     with WanPath(rtt_ms=args.rtt_ms, rate_mbit=args.rates[0]) as path:
-        for run in (path.run_a, path.run_b):  # as e2e_training: no slow start after an idle gap
-            run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
+        set_slow_start_after_idle(path, 0)  # as e2e_training: no slow start after an idle gap
         for index, variant in enumerate(args.variants):
             runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index))
             print(f"{variant}: {len(runs[-1]['records'])} iterations", flush=True)
+            run.save_json(args.name, {"runs": runs, "partial": True})  # kept should a later variant fail
     floor_run = next((r for r in runs if r["backend"] is None), None)
     floor_s = (statistics.median(r["seconds"] for r in floor_run["records"][2:]) if floor_run else float("nan"))
     rows = [p for r in runs if r["backend"] is not None for p in phase_rows(r, args.rates, args.phase_s, floor_s)]
