@@ -20,13 +20,14 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e_training import BATCH, DATA_BATCHES, DEPTH_IN, KEEP_FREED_MEMORY, make_model  # noqa: E402
+from bench.e2e_training import (  # noqa: E402
+    DATA_BATCHES, KEEP_FREED_MEMORY, join_world, mlp_and_batches, set_slow_start_after_idle,
+)
 
 VARIANTS = {
     "compute only, 2 ranks": {"backend": None, "density": None},
@@ -51,17 +52,11 @@ def worker(args) -> None:
     from wanlink.optim import SparseSGD
 
     variant = VARIANTS[args.variant]
-    torch.set_num_threads(1)
-    os.environ["WANLINK_ADDR"] = args.address
-    os.environ["GLOO_SOCKET_IFNAME"] = "wan0"
     distributed = variant["backend"] is not None
+    join_world(args, variant["backend"])
     if distributed:
-        store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
-        dist.init_process_group(variant["backend"], store=store, rank=args.rank, world_size=2)
         side = dist.new_group(backend="gloo")
-    torch.manual_seed(0)
-    model = make_model()
-    teacher = torch.nn.Linear(DEPTH_IN, model[-1].out_features)
+    model, batches = mlp_and_batches(args.rank)
     ddp = DDP(model, gradient_as_bucket_view=True) if distributed else model
     state = None
     if variant["density"] is not None:
@@ -69,10 +64,6 @@ def worker(args) -> None:
                                  **(AUTO_BOUNDS if variant["density"] == "auto" else {}))
         ddp.register_comm_hook(state, block_sparse_hook)
     optimizer = (SparseSGD if state else torch.optim.SGD)(ddp.parameters(), lr=0.01, momentum=0.9)
-    data = torch.Generator().manual_seed(args.rank)
-    inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
-    with torch.no_grad():
-        labels = [teacher(x).argmax(1) for x in inputs]
     if distributed:
         dist.barrier()
     start = time.monotonic()
@@ -93,7 +84,8 @@ def worker(args) -> None:
             break
         begin = time.monotonic()
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(ddp(inputs[iteration % DATA_BATCHES]), labels[iteration % DATA_BATCHES])
+        x, y = batches[iteration % DATA_BATCHES]
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         if state is not None:
             optimizer.step(sparse_grads=state.sparse_grads())
@@ -208,17 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args)
     runs = []
     with WanPath(rtt_ms=args.rtt_ms, rate_mbit=args.rates[0]) as path:
-        for run in (path.run_a, path.run_b):  # as e2e_training: no slow start after an idle gap
-            run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], check=True)
+        set_slow_start_after_idle(path, 0)  # as e2e_training: no slow start after an idle gap
         for index, variant in enumerate(args.variants):
             runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index))
             print(f"{variant}: {len(runs[-1]['records'])} iterations", flush=True)
+            run.save_json(args.name, {"runs": runs, "partial": True})  # kept should a later variant fail
     floor_run = next((r for r in runs if r["backend"] is None), None)
     floor_s = (statistics.median(r["seconds"] for r in floor_run["records"][2:]) if floor_run else float("nan"))
     rows = [p for r in runs if r["backend"] is not None for p in phase_rows(r, args.rates, args.phase_s, floor_s)]
     print(f"\n2 ranks, {args.rtt_ms:g} ms RTT, phases of {args.phase_s:g} s at {args.rates} Mbit/s; compute floor "
           f"{floor_s:.3f} s/iteration; load before {run.load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
-    print_table([{k: ("" if v is None else v) for k, v in row.items()} for row in rows], [("variant", "variant", ""), ("rate_mbit", "Mbit/s", "g"), ("iterations", "iters", "d"),
+    printable = [{k: ("" if v is None else v) for k, v in row.items()} for row in rows]
+    print_table(printable, [("variant", "variant", ""), ("rate_mbit", "Mbit/s", "g"), ("iterations", "iters", "d"),
                        ("median_iteration_s", "s/iteration", ".3f"), ("x_floor", "x floor", ".2f"),
                        ("median_density", "density", ".4g")])
     run.save_json(args.name, {"phases": rows, "runs": runs, "floor_s": floor_s, "rates_mbit": args.rates,

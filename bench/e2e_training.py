@@ -70,6 +70,32 @@ def timed(hook, clock: dict):
     return timed_hook
 
 
+def join_world(args, backend: str | None) -> None:
+    """A rank's set-up inside its namespace: one thread, its addresses, the process group (None: alone)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["WANLINK_ADDR"] = args.address
+    os.environ["GLOO_SOCKET_IFNAME"] = "wan0"
+    if backend is not None:
+        store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
+        dist.init_process_group(backend, store=store, rank=args.rank, world_size=2)
+
+
+def mlp_and_batches(rank: int):
+    """The MLP (seed 0) and this rank's fixed batches of the synthetic teacher task."""
+    import torch
+
+    torch.manual_seed(0)
+    model = make_model()
+    teacher = torch.nn.Linear(DEPTH_IN, CLASSES)
+    data = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
+    with torch.no_grad():
+        return model, [(x, teacher(x).argmax(1)) for x in inputs]
+
+
 def worker(args) -> None:
     """One rank: runs inside its namespace, writes its timings as JSON."""
     import torch
@@ -82,23 +108,17 @@ def worker(args) -> None:
     from wanlink.optim import SparseSGD
 
     variant = VARIANTS[args.variant]
-    torch.set_num_threads(1)
-    os.environ["WANLINK_ADDR"] = args.address
-    os.environ["GLOO_SOCKET_IFNAME"] = "wan0"
     distributed = variant["backend"] is not None
-    if distributed:
-        store = dist.TCPStore(args.master, args.port, 2, is_master=args.rank == 0, timeout=timedelta(seconds=120))
-        dist.init_process_group(variant["backend"], store=store, rank=args.rank, world_size=2)
-    torch.manual_seed(0)
+    join_world(args, variant["backend"])
     if args.shape:  # one of bench/fidelity.py's shapes: its model and its own real batches
         from bench.fidelity import SHAPES, Task
 
+        torch.manual_seed(0)
         task = Task(SHAPES[args.shape], 0, args.rank, 2)
         model = task.model
         batches = [task.batch(i) for i in range(DATA_BATCHES)]
     else:
-        model = make_model()
-        teacher = torch.nn.Linear(DEPTH_IN, CLASSES)
+        model, batches = mlp_and_batches(args.rank)
     ddp = DDP(model, gradient_as_bucket_view=True) if distributed else model
     state = None
     clock = {"hook_s": 0.0, "returned": None}
@@ -113,11 +133,6 @@ def worker(args) -> None:
     momentum = 0.0 if state is not None and state.momentum else 0.9
     optimizer = (SparseSGD if variant["sparse_optimizer"] else torch.optim.SGD)(ddp.parameters(), lr=0.01,
                                                                                 momentum=momentum)
-    if not args.shape:
-        data = torch.Generator().manual_seed(args.rank)
-        inputs = [torch.randn(BATCH, DEPTH_IN, generator=data) for _ in range(DATA_BATCHES)]
-        with torch.no_grad():
-            batches = [(x, teacher(x).argmax(1)) for x in inputs]
     records = []
     if distributed:
         dist.barrier()
@@ -155,13 +170,14 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool,
-                shape: str = "") -> dict:
+def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool, shape: str = "",
+                chunk_order: str = "edf") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name, "--shape", shape,
                   "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--rank-out", out]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_CHUNK_ORDER": chunk_order,
+               **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env)]
         if VARIANTS[name]["ranks"] == 2:
             ranks.append(path.popen_b([*common, "--rank", "1", "--address", path.addr_b], env=env))
@@ -172,9 +188,14 @@ def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: 
     steady = result["records"][SKIP_FIRST:]
     medians = {f"median_{phase}": statistics.median(r[phase] for r in steady)
                for phase in PHASES if phase in steady[0]}
-    return {"variant": name, **VARIANTS[name], "iterations": iterations,
+    return {"variant": name, **VARIANTS[name], "iterations": iterations, "chunk_order": chunk_order,
             "median_iteration_s": statistics.median(r["seconds"] for r in steady), **medians,
             "final_loss": statistics.mean(r["loss"] for r in result["records"][-DATA_BATCHES:]), **result}
+
+
+def _label(row: dict) -> str:
+    order = " fcfs" if row.get("chunk_order") == "fcfs" else ""
+    return f"{row['variant']}{order} @ {row['rate_mbit']:g} Mbit/s"
 
 
 def set_slow_start_after_idle(path, value: int) -> None:
@@ -190,7 +211,7 @@ def plot(run, rows: list[dict], name: str) -> Path:
     palette = colours(VARIANTS)
     fig, (ax_time, ax_phases, ax_loss) = new_figure(3, 1, figsize=(11, 15))
     fig.subplots_adjust(hspace=0.35)
-    labels = [f"{r['variant']} @ {r['rate_mbit']:g} Mbit/s" for r in rows]
+    labels = [_label(r) for r in rows]
     ax_time.barh(labels, [r["median_iteration_s"] for r in rows], color=[palette[r["variant"]] for r in rows])
     ax_time.invert_yaxis()
     ax_time.set_xscale("log")
@@ -203,7 +224,7 @@ def plot(run, rows: list[dict], name: str) -> Path:
                          ("step_s", "optimizer step")):
         widths = [r.get(f"median_{phase}", r["median_backward_s"] if phase == "backward_compute_s" else 0.0)
                   for r in fast]
-        ax_phases.barh([f"{r['variant']} @ {r['rate_mbit']:g} Mbit/s" for r in fast], widths, left=left, label=label)
+        ax_phases.barh([_label(r) for r in fast], widths, left=left, label=label)
         left = [a + b for a, b in zip(left, widths)]
     ax_phases.invert_yaxis()
     ax_phases.set_xlabel("median seconds per phase (backward compute = backward - hook - wait)")
@@ -213,7 +234,7 @@ def plot(run, rows: list[dict], name: str) -> Path:
     for r in rows:
         ax_loss.plot([p["wall"] for p in r["records"]], [p["loss"] for p in r["records"]], linewidth=0.8,
                      color=palette[r["variant"]], linestyle=styles[r["rate_mbit"]],
-                     label=f"{r['variant']} @ {r['rate_mbit']:g} Mbit/s")
+                     label=_label(r))
     ax_loss.set_xscale("log")
     ax_loss.set_xlabel("wall-clock seconds (log)")
     ax_loss.set_ylabel("training loss (rank 0's batch)")
@@ -236,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--malloc", choices=("keep-freed", "glibc-default"), default="keep-freed",
                         help="keep-freed: every rank runs with "
                         + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()))
+    parser.add_argument("--chunk-orders", nargs="+", choices=("edf", "fcfs"), default=["edf"],
+                        help="WANLINK_CHUNK_ORDER of the ranks: each wanlink variant runs once per order")
     parser.add_argument("--name", default="e2e_training", help="file name of the JSON and PNG")
     parser.add_argument("--shape", default="", help="train one of bench/fidelity.py's SHAPES on its data "
                         f"instead of the {WIDTH}-wide MLP on a teacher task")
@@ -262,9 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     for rate in args.rates:
         with WanPath(rtt_ms=args.rtt_ms, rate_mbit=rate) as path:
             set_slow_start_after_idle(path, args.slow_start_after_idle)
-            for index, name in enumerate(args.variants):
+            runs = [(name, order) for name in args.variants
+                    for order in (args.chunk_orders if VARIANTS[name]["backend"] == "wanlink" else ["edf"])]
+            for index, (name, order) in enumerate(runs):
                 row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index,
-                                  keep_freed_memory=args.malloc == "keep-freed", shape=args.shape)
+                                  keep_freed_memory=args.malloc == "keep-freed", shape=args.shape, chunk_order=order)
                 row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms,
                            slow_start_after_idle=args.slow_start_after_idle,
                            malloc=args.malloc)
@@ -272,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
                                                         - row["median_wait_s"])
                 rows.append(row)
-                print(f"{rate:g} Mbit/s {name}: {row['median_iteration_s']:.3f} s/iteration", flush=True)
+                print(f"{rate:g} Mbit/s {name} ({order}): {row['median_iteration_s']:.3f} s/iteration", flush=True)
     for row in rows:
         gloo = next((r for r in rows if r["rate_mbit"] == row["rate_mbit"] and r["variant"] == "gloo dense"), None)
         row["speedup_vs_gloo"] = gloo["median_iteration_s"] / row["median_iteration_s"] if gloo else float("nan")
@@ -287,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rtt_ms:g} ms RTT, "
           f"tcp_slow_start_after_idle={args.slow_start_after_idle}; load {os.getloadavg()[0]:.2f}; "
           "phases are medians (hook and wait: sparse variants only)")
-    print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("iterations", "iters", "d"),
+    print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("chunk_order", "order", ""),
+                       ("iterations", "iters", "d"),
                        ("median_iteration_s", "s/iteration", ".3f"), ("speedup_vs_gloo", "x gloo", ".1f"),
                        ("speedup_vs_gloo_same_wire", "x gloo same wire", ".1f"),
                        ("median_forward_s", "forward", ".3f"), ("median_backward_s", "backward", ".3f"),

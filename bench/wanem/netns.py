@@ -218,7 +218,8 @@ class Emulator:
         connections over them stay. WanemError when it refuses them (it then keeps the old ones)."""
         check_link(ab)
         check_link(ba)
-        text = "".join(f"{option} {value}\n" for link, d in ((ab, "ab"), (ba, "ba")) for option, value in link.options(d))
+        pairs = [*ab.options("ab"), *ba.options("ba")]
+        text = "".join(f"{option} {value}\n" for option, value in pairs)
         Path(self.control_path).write_text(text)
         reply = self._signal_and_wait(signal.SIGUSR2, self.control_path + ".ack")
         if reply != f"ok {self.changes + 1}":

@@ -90,3 +90,47 @@ def test_auto_density_options_are_validated():
         BlockSparseState(density="fast")
     state = BlockSparseState(density="auto", min_density=0.002, max_density=0.05)
     assert state.density == 0.002 and state.density_stats()["changes"] == []
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_rank0s_proposal_applies_two_steps_later_and_each_change_is_logged(caplog):
+    from wanlink.c10d.auto_density import LAG, AutoDensity
+
+    clock = FakeClock()
+    auto = AutoDensity(min_density=0.001, max_density=0.1, staleness=1, clock=clock)
+    densities = []
+    with caplog.at_level("INFO", logger="wanlink.c10d.auto_density"):
+        for step in range(8):
+            clock.now = step * 1.0
+            densities.append(auto.begin_step(step, full_bytes=1e6))
+            started = auto.exchange_started(step)
+            clock.now += 0.1
+            auto.exchange_done(step, started, 1000, rank0_proposal=0.05 if step >= 3 else 0.001)
+    assert densities == [0.001] * (3 + LAG) + [0.05] * (8 - 3 - LAG)
+    assert auto.stats()["changes"] == [(3 + LAG, 0.05)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "density 0.001 -> 0.05 from step 5 (bandwidth estimate 0.08 Mbit/s, compute 1.000 s per step)"]
+
+
+def test_compute_time_excludes_the_exposed_wait_for_the_exchange():
+    from wanlink.c10d.auto_density import AutoDensity
+
+    clock = FakeClock()
+    auto = AutoDensity(min_density=0.001, max_density=0.1, staleness=0, clock=clock,
+                       bandwidth=lambda _now: 1e6)
+    for step in range(5):  # 0.3 s of compute, then 0.2 s waiting for the exchange after the last bucket
+        clock.now = step * 0.5
+        auto.begin_step(step, full_bytes=1e6)
+        started = auto.exchange_started(step)
+        clock.now += 0.3
+        auto.bucket_called(step)
+        clock.now += 0.2
+        auto.exchange_done(step, started, 1000, rank0_proposal=0.001)
+    assert auto.last_decision.compute_s == pytest.approx(0.3)

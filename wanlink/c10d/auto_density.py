@@ -138,8 +138,9 @@ class AutoDensity:
         self.changes.append((step, density))
         why = ""
         if decision is not None and decision.bandwidth_Bps is not None and decision.compute_s is not None:
-            why = (f" (bandwidth estimate {8 * decision.bandwidth_Bps / 1e6:.0f} Mbit/s, compute "
-                   f"{decision.compute_s:.3f} s per step{', staleness 1 needed to hide it' if decision.staleness_needed and not self.staleness else ''})")
+            advice = ", staleness 1 needed to hide it" if decision.staleness_needed and not self.staleness else ""
+            why = (f" (bandwidth estimate {8 * decision.bandwidth_Bps / 1e6:.3g} Mbit/s, compute "
+                   f"{decision.compute_s:.3f} s per step{advice})")
         logger.info("density %.4g -> %.4g from step %d%s", self.density, density, step, why)
         self.density = density
 

@@ -216,7 +216,7 @@ class BlockSparseState:
         self.bytes_sent = 0
         self._codecs: dict[int, _BucketCodec] = {}
         self._sparsifier_of: dict[torch.Tensor, BlockSparsifier] = {}  # parameter -> its sparsifier now
-        self._elements: dict[int, int] = {}  # density="auto": bucket index -> elements, for the full size
+        self._elements: dict[torch.Tensor, int] = {}  # density="auto": parameter -> elements, for the full size
         self._auto_step: int | None = None
         # staleness: per step, where each parameter's aggregate will be: (future of its bucket, offset, numel).
         # Keyed by parameter, not bucket, because DDP rebuilds its buckets after the first step.
@@ -248,9 +248,9 @@ class BlockSparseState:
             self._sparsifier_of.update(zip(params, codec.sparsifiers))
         return codec
 
-    def begin_auto_step(self, iteration: int, index: int, numel: int) -> None:
-        """density="auto": at each bucket, note its size; at a step's first, take the agreed density."""
-        self._elements[index] = numel
+    def begin_auto_step(self, iteration: int, params: list) -> None:
+        """density="auto": at each bucket, note its parameters' sizes; at a step's first, take the agreed density."""
+        self._elements.update((param, param.numel()) for param in params)
         if self._auto_step == iteration:
             self.auto.bucket_called(iteration)
             return
@@ -425,7 +425,7 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
 
     gradients = velocities or bucket.gradients()
     if state.auto:
-        state.begin_auto_step(iteration, index, buffer.numel())
+        state.begin_auto_step(iteration, params)
     codec = state.codec_for(index, gradients, params)
     # momentum factor masking: a block's velocity restarts once it is sent (not at density 1: that is dense SGD)
     message = codec.encode(gradients, mask_sent=velocities is not None and state.density < 1.0)

@@ -18,6 +18,15 @@ from collections import deque
 from wanlink.errors import ConfigError
 
 
+def percentile(values, pct: float) -> float:
+    """The ``pct`` percentile of non-empty ``values``, linearly interpolated between ranks."""
+    ranked = sorted(values)
+    pos = (len(ranked) - 1) * pct / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ranked) - 1)
+    return ranked[lo] + (ranked[hi] - ranked[lo]) * (pos - lo)
+
+
 class DeliveryRateEstimator:
     """Windowed delivery-rate samples, summarised by a low percentile (bytes/s)."""
 
@@ -71,11 +80,7 @@ class DeliveryRateEstimator:
         """Low-percentile delivered rate in bytes/s over the horizon; None before the first window."""
         if not self._samples:
             return None
-        rates = sorted(rate for _, rate in self._samples)
-        pos = (len(rates) - 1) * self.percentile / 100.0
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(rates) - 1)
-        return rates[lo] + (rates[hi] - rates[lo]) * (pos - lo)
+        return percentile([rate for _, rate in self._samples], self.percentile)
 
     @property
     def samples(self) -> int:

@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from wanlink.errors import ConfigError
+from wanlink.probe.rate import percentile
 
 
 @dataclass(frozen=True)
@@ -111,11 +112,7 @@ class DensityController:
             self._bandwidth.popleft()
         if not self._bandwidth:
             return None
-        rates = sorted(rate for _, rate in self._bandwidth)
-        pos = (len(rates) - 1) * self.percentile / 100.0
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(rates) - 1)
-        return rates[lo] + (rates[hi] - rates[lo]) * (pos - lo)
+        return percentile([rate for _, rate in self._bandwidth], self.percentile)
 
     def comm_s(self, density: float, bandwidth_Bps: float) -> float:
         """Predicted exchange time of one step at ``density`` over ``bandwidth_Bps``."""
