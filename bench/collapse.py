@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.fidelity import SHAPES, run_jobs  # noqa: E402
+from bench.fidelity import SHAPES, run_jobs
 
 WARMUP = 50
 VARIANTS = (("dense", "sgd", "dense gloo, SGD momentum 0.9"),
