@@ -342,8 +342,11 @@ async def test_a_late_receiver_makes_the_sender_wait_within_the_staging_limit(se
     try:
         payload = bytes(range(256)) * (6 * MiB // 256)
         sending = asyncio.ensure_future(p.client.send(payload, tag=5))
-        while p.accepted.reassembler.unexpected_bytes < 1 * MiB:  # the eager window (half the budget) arrives
-            await asyncio.sleep(0.01)
+        async def eager_window_arrived():  # the eager window (half the budget) arrives
+            while p.accepted.reassembler.unexpected_bytes < 1 * MiB:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(eager_window_arrived(), 10)  # bounded: a stalled sender fails, not hangs
         assert not sending.done()  # the rest waits for the receive
         out = bytearray(len(payload))
         await asyncio.wait_for(p.accepted.recv_into(out, tag=5), 10)
