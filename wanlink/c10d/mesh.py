@@ -246,8 +246,8 @@ class Mesh:
             return
         failed = link.loop.create_future()
         host, port = self.addresses.get(peer, ("?", 0))
-        failed.set_exception(PeerLost(f"wanlink: the link rank {self.rank} <-> rank {peer} (at {host}:{port}) "
-                                      f"failed: {link.error}"))
+        failed.set_exception(PeerLost(f"wanlink: the link rank {self.rank} <-> rank {peer} failed "
+                                      f"(rank {peer} at {host}:{port}): {link.error}"))
         failed.exception()  # retrieved: nobody need ask
         self._links[peer] = failed
 
