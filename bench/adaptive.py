@@ -147,17 +147,21 @@ def phase_rows(row: dict, rates: list[float], phase_s: float, floor_s: float) ->
 
 
 def plot(run, rows: list[dict], rates: list[float], phase_s: float, floor_s: float, name: str) -> Path:
-    from bench.reporting import new_figure
+    from bench.reporting import colours, new_figure
 
     fig, (ax_time, ax_density) = new_figure(2, 1, figsize=(11, 8))
+    palette = colours(VARIANTS)
     edges = [i * phase_s for i in range(len(rates) + 1)]
     for row in rows:
         if row["backend"] is None:
             continue
         walls = [r["wall"] for r in row["records"]]
-        ax_time.plot(walls, [r["seconds"] for r in row["records"]], marker=".", linewidth=0.7, label=row["variant"])
+        colour = palette[row["variant"]]
+        ax_time.plot(walls, [r["seconds"] for r in row["records"]], marker=".", linewidth=0.7, label=row["variant"],
+                     color=colour)
         if row["density"] is not None:
-            ax_density.step(walls, [100 * r["density"] for r in row["records"]], where="post", label=row["variant"])
+            ax_density.step(walls, [100 * r["density"] for r in row["records"]], where="post", label=row["variant"],
+                            color=colour)
     ax_time.axhline(floor_s, color="black", linestyle=":", label="compute floor (2 ranks, no network)")
     ax_time.set_yscale("log")
     ax_time.set_ylabel("seconds per iteration (log)")
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase-s", type=float, default=30.0)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--name", default="adaptive", help="file name of the JSON and PNG")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--variant", "--master", "--rank-out", "--address", "--start-file"):
@@ -198,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     run = Run(args)
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        print("wrote", plot(run, saved["runs"], saved["rates_mbit"], saved["phase_s"], saved["floor_s"], args.name))
+        return 0
     runs = []
     with WanPath(rtt_ms=args.rtt_ms, rate_mbit=args.rates[0]) as path:
         set_slow_start_after_idle(path, 0)  # as e2e_training: no slow start after an idle gap

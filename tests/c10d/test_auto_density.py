@@ -134,3 +134,21 @@ def test_compute_time_excludes_the_exposed_wait_for_the_exchange():
         clock.now += 0.2
         auto.exchange_done(step, started, 1000, rank0_proposal=0.001)
     assert auto.last_decision.compute_s == pytest.approx(0.3)
+
+
+def test_a_steps_bandwidth_sample_charges_one_latency_for_its_overlapping_exchanges():
+    from wanlink.c10d.auto_density import AutoDensity
+
+    clock = FakeClock()
+    auto = AutoDensity(min_density=0.001, max_density=0.1, staleness=0, clock=clock)
+    for step in range(2):
+        clock.now = step * 10.0
+        auto.begin_step(step, full_bytes=1e6)
+        for duration in (0.1, 0.1, 0.3):  # 0.1 s of latency each, the last one also 0.2 s of transfer
+            started = auto.exchange_started(step)
+            clock.now += duration
+            auto.exchange_done(step, started, 1000, rank0_proposal=0.001)
+    clock.now = 20.0
+    auto.begin_step(2, full_bytes=1e6)
+    # 3000 bytes over 0.5 s of exchanges less two of the three 0.1 s latencies
+    assert auto.controller.bandwidth_estimate(20.0) == pytest.approx(3000 / 0.3)

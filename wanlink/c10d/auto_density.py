@@ -8,10 +8,12 @@ What the hook measures, without extra messages or round trips:
   completed; compute = step time - exposed wait (the hook's own sparsifying stays in: it is on
   the critical path whatever the density);
 - its bandwidth sample: the bytes it sent over the summed durations (launch to completion) of its
-  exchanges. That errs low (it includes latency and a late peer), so the controller's constraint
-  reads "the exchanges, one after another, take at most margin x the overlap window", a fixed
-  point the density approaches from either side; ``bandwidth=`` replaces it with a source of the
-  caller's (a link's delivery-rate estimate, or a simulated schedule).
+  exchanges, less all but one latency (the shortest recent exchange's duration stands for it: the
+  buckets' exchanges share the link, their latencies overlap). That errs low (a late peer counts
+  as transfer time), so the controller's constraint reads "one latency plus the transfers take at
+  most margin x the overlap window", a fixed point the density approaches from either side;
+  ``bandwidth=`` replaces it with a source of the caller's (a link's delivery-rate estimate, or a
+  simulated schedule).
 
 Agreement: every rank appends its proposal (a float64) to each bucket message of the all-gather it
 sends anyway; every rank reads rank 0's from the gathered buffer and uses it from ``LAG`` steps
@@ -61,6 +63,7 @@ class AutoDensity:
         self._launched: dict[int, int] = {}
         self._done: dict[int, list] = {}  # step -> [exchanges done, bytes, summed durations, last completion]
         self._agreed: dict[int, float] = {}  # step -> rank 0's proposal made at that step
+        self._recent_durations: deque[float] = deque(maxlen=64)  # the shortest stands for the latency
 
     # -- the hook's calls --------------------------------------------------------------------------
     def begin_step(self, step: int, full_bytes: float) -> float:
@@ -101,7 +104,9 @@ class AutoDensity:
             done = self._done.setdefault(step, [0, 0, 0.0, now])
             done[0] += 1
             done[1] += nbytes
-            done[2] += max(now - started, 1e-6)
+            duration = max(now - started, 1e-6)
+            done[2] += duration
+            self._recent_durations.append(duration)
             done[3] = max(done[3], now)
             self._agreed[step] = rank0_proposal
 
@@ -118,9 +123,10 @@ class AutoDensity:
         if self.bandwidth is not None:
             self.controller.observe_bandwidth(self.bandwidth(now), now)
         for finished in sorted(s for s, done in self._done.items() if s < step and done[0] == self._launched.get(s)):
-            _count, nbytes, durations, _end = self._done[finished]
-            if self.bandwidth is None and nbytes > 0:
-                self.controller.observe_bandwidth(nbytes / durations, now)
+            count, nbytes, durations, _end = self._done[finished]
+            if self.bandwidth is None and nbytes > 0:  # >= the longest exchange: each lasts >= the shortest
+                transfer = durations - (count - 1) * min(self._recent_durations)
+                self.controller.observe_bandwidth(nbytes / transfer, now)
             if finished < previous - self.staleness:  # no longer needed for an exposed wait
                 self._forget(finished)
         for old in [s for s in self._first if s < previous]:
