@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.e2e_training import (  # noqa: E402
-    DATA_BATCHES, KEEP_FREED_MEMORY, join_world, mlp_and_batches, set_slow_start_after_idle,
+    DATA_BATCHES, KEEP_FREED_MEMORY, add_worker_options, join_world, mlp_and_batches, set_slow_start_after_idle,
 )
 
 VARIANTS = {
@@ -191,13 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="adaptive", help="file name of the JSON and PNG")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--variant", "--master", "--rank-out", "--address", "--start-file"):
-        parser.add_argument(hidden, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    add_worker_options(parser, port=29700, extra=("--start-file",))
     parser.add_argument("--duration-s", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--iterations", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=29700, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)

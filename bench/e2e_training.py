@@ -198,6 +198,15 @@ def _label(row: dict) -> str:
     return f"{row['variant']}{order} @ {row['rate_mbit']:g} Mbit/s"
 
 
+def add_worker_options(parser: argparse.ArgumentParser, port: int, extra: tuple[str, ...] = ()) -> None:
+    """The hidden options a bench passes to the rank processes it starts (``--worker ...``)."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--variant", "--master", "--rank-out", "--address", *extra):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=port, help=argparse.SUPPRESS)
+
+
 def set_slow_start_after_idle(path, value: int) -> None:
     """Set net.ipv4.tcp_slow_start_after_idle (per network namespace) on both ends of the path."""
     for run in (path.run_a, path.run_b):
@@ -264,11 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"instead of the {WIDTH}-wide MLP on a teacher task")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--variant", "--master", "--rank-out", "--address"):
-        parser.add_argument(hidden, help=argparse.SUPPRESS)
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=29600, help=argparse.SUPPRESS)
+    add_worker_options(parser, port=29600)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
