@@ -6,7 +6,10 @@ is the fastest plain-Python path: ``loop.sock_sendall`` of the whole buffer agai
 ``send`` returns only once the receiver acknowledged every chunk, so both times cover delivery.
 
     python3 dev.py bench bench/loopback_throughput.py [--size-mib 1024] [--streams 1 2 4 8] [--repeat 3]
-        [--paths tcp unix] [--chunk-kib 1024 4096] [--name loopback_unix] [--out DIR | --publish]
+        [--paths tcp unix] [--chunk-kib 1024 4096] [--name loopback_unix] [--out DIR | --publish] [--secure]
+
+``--secure`` also runs every wanlink case with ``secure=True`` (AES-256-GCM over every frame) and
+reports its throughput and CPU per GiB next to plaintext's, from the same run.
 """
 from __future__ import annotations
 
@@ -111,9 +114,9 @@ async def _raw_sender(port: int, payload: memoryview, repeat: int) -> list[float
 
 
 async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: int,
-                          chunk_size: int, unix_name: str | None) -> tuple[list[float], list]:
+                          chunk_size: int, unix_name: str | None, secure: bool) -> tuple[list[float], list]:
     link = await wanlink.connect("127.0.0.1", port, streams=streams, secret=SECRET, chunk_size=chunk_size,
-                                 congestion=CONGESTION[0], unix_name=unix_name)
+                                 congestion=CONGESTION[0], unix_name=unix_name, secure=secure)
     times = []
     for round_index in range(repeat):
         start, cpu = time.perf_counter(), time.process_time()
@@ -127,7 +130,7 @@ async def _wanlink_sender(port: int, payload: memoryview, repeat: int, streams: 
 
 
 def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kind: str,
-             chunk_size: int = 1024 * 1024, path: str = "tcp") -> dict:
+             chunk_size: int = 1024 * 1024, path: str = "tcp", secure: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(child, mode, len(payload), repeat, loop_kind))
@@ -141,7 +144,8 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
                 times, per_stream = loop.run_until_complete(_raw_sender(port, payload, repeat)), [repeat]
             else:
                 times, per_stream = loop.run_until_complete(
-                    _wanlink_sender(port, payload, repeat, streams, chunk_size, unix_name if path == "unix" else None))
+                    _wanlink_sender(port, payload, repeat, streams, chunk_size, unix_name if path == "unix" else None,
+                                    secure))
         finally:
             loop.close()
         receiver_cpu = parent.recv() if parent.poll(60) else float("nan")
@@ -151,7 +155,7 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
             proc.kill()
     rates = [8 * len(payload) / t / 1e9 for t in times]
     gib = len(payload) * repeat / 2**30
-    return {"mode": mode, "path": path, "streams": streams, "loop": loop_kind,
+    return {"mode": mode, "secure": secure, "path": path, "streams": streams, "loop": loop_kind,
             "chunk_kib": chunk_size // 1024 if mode != "raw" else "", "best_gbps": max(rates),
             "median_gbps": statistics.median(rates), "seconds": times, "chunks_per_stream": per_stream,
             "sender_cpu_s_per_gib": _cpu_seconds.total / gib, "receiver_cpu_s_per_gib": receiver_cpu / gib}
@@ -160,15 +164,17 @@ def run_case(mode: str, streams: int, payload: memoryview, repeat: int, loop_kin
 def plot(run: Run, rows: list[dict], name: str, size_mib: int):
     """Throughput against streams: one colour per wanlink variant, the event loop as the line style."""
     fig, ax = new_figure(figsize=(7, 4))
-    variants = list(dict.fromkeys((r.get("path", "tcp"), r["chunk_kib"]) for r in rows if r["mode"] == "wanlink"))
+    variants = list(dict.fromkeys((r.get("path", "tcp"), r["chunk_kib"], r.get("secure", False))
+                                  for r in rows if r["mode"] == "wanlink"))
     palette = colours(variants)  # one colour per wanlink variant; the event loop is the line style
     for loop_kind, style in zip(dict.fromkeys(r["loop"] for r in rows), ("-", ":")):
         for variant in variants:
-            path, chunk_kib = variant
-            mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink"
-                    and r["chunk_kib"] == chunk_kib and r.get("path", "tcp") == path]
+            path, chunk_kib, secure = variant
+            mine = [r for r in rows if r["loop"] == loop_kind and r["mode"] == "wanlink" and r["chunk_kib"] == chunk_kib
+                    and r.get("path", "tcp") == path and r.get("secure", False) == secure]
+            kind = "wanlink secure" if secure else "wanlink"
             ax.plot([r["streams"] for r in mine], [r["median_gbps"] for r in mine], style, marker="o",
-                    color=palette[variant], label=f"wanlink over {path}, {chunk_kib} KiB chunks ({loop_kind})")
+                    color=palette[variant], label=f"{kind} over {path}, {chunk_kib} KiB chunks ({loop_kind})")
         raw = next(r for r in rows if r["loop"] == loop_kind and r["mode"] == "raw")
         ax.axhline(raw["median_gbps"], linestyle="--" if style == "-" else "-.", color="black",
                    label=f"raw sock_sendall ({loop_kind})")
@@ -191,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", nargs="+", default=["tcp"], choices=["tcp", "unix"],
                         help="wanlink over TCP loopback and/or an abstract Unix socket (the raw baseline is TCP)")
     parser.add_argument("--congestion", default=None, help="TCP congestion control of wanlink's streams")
+    parser.add_argument("--secure", action="store_true",
+                        help="also run every wanlink case with secure=True (its cost: same-run ratios)")
     parser.add_argument("--name", default="loopback_throughput")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
@@ -210,14 +218,20 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.paths:
             for chunk_kib in args.chunk_kib:
                 for streams in args.streams:
-                    row = run_case("wanlink", streams, payload, args.repeat, loop_kind, chunk_kib * 1024, path)
-                    row["vs_raw"] = row["median_gbps"] / baseline["median_gbps"]
-                    rows.append(row)
+                    plain = None
+                    for secure in (False, True) if args.secure else (False,):
+                        row = run_case("wanlink", streams, payload, args.repeat, loop_kind, chunk_kib * 1024, path,
+                                       secure)
+                        row["vs_raw"] = row["median_gbps"] / baseline["median_gbps"]
+                        plain = plain or row
+                        row["vs_plain"] = row["median_gbps"] / plain["median_gbps"]
+                        rows.append(row)
     print(f"loopback, {args.size_mib} MiB per transfer, {args.repeat} repetitions; load {os.getloadavg()[0]:.2f}")
-    print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("path", "path", ""),
+    print_table(rows, [("loop", "loop", ""), ("mode", "transport", ""), ("secure", "secure", ""), ("path", "path", ""),
                        ("streams", "streams", "d"), ("chunk_kib", "chunk KiB", ""),
                        ("median_gbps", "median Gb/s", ".2f"), ("best_gbps", "best Gb/s", ".2f"),
-                       ("vs_raw", "x raw", ".2f"), ("sender_cpu_s_per_gib", "send CPU s/GiB", ".3f"),
+                       ("vs_raw", "x raw", ".2f"), ("vs_plain", "x plain", ".2f"),
+                       ("sender_cpu_s_per_gib", "send CPU s/GiB", ".3f"),
                        ("receiver_cpu_s_per_gib", "recv CPU s/GiB", ".3f")])
     print("wrote", run.save_json(args.name, {"size_mib": args.size_mib, "repeat": args.repeat, "rows": rows}))
     print("wrote", plot(run, rows, args.name, args.size_mib))

@@ -78,3 +78,10 @@ def test_every_variable_the_code_names_is_in_the_table():
     assert "WANLINK_SECRET" in named  # the scan finds what it should
     page = DOCS.read_text()
     assert all(name in page for name in BUILD_TIME_VARIABLES)
+
+
+def test_site_is_any_name_and_a_bad_one_names_the_variable():
+    assert settings.from_env({"WANLINK_SITE": " gcp-europe-west4 "}).site == "gcp-europe-west4"
+    assert settings.from_env({"WANLINK_SITE": ""}).site is None
+    with pytest.raises(ConfigError, match="WANLINK_SITE"):
+        settings.from_env({"WANLINK_SITE": "x" * 200})

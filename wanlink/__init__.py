@@ -19,6 +19,7 @@ from wanlink.errors import (
     PeerLost,
     ProtocolError,
     RemoteProtocolError,
+    ServerBusy,
     UnsupportedError,
     WanlinkError,
 )
@@ -39,7 +40,7 @@ _LAZY = {
 __all__ = [
     "AuthenticationError", "ConfigError", "DeadlineExceeded", "DesyncError", "LimitExceeded", "LocalProtocolError",
     "MessageSizeError", "NonFiniteGradientError", "PeerLost", "ProtocolError", "RemoteProtocolError",
-    "UnsupportedError", "WanlinkError",
+    "ServerBusy", "UnsupportedError", "WanlinkError",
     *_LAZY,
 ]
 

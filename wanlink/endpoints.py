@@ -19,7 +19,7 @@ import time
 
 from wanlink.errors import ConfigError
 from wanlink.io.link import DEFAULT_TIMEOUT, Link, check_stream_count, open_link
-from wanlink.io.server import Server, start_server
+from wanlink.io.server import AUTH_TIMEOUT, Server, start_server
 from wanlink.io.sockets import is_loopback, log
 from wanlink.probe.chunk import choose_chunk_size
 from wanlink.probe.ramp import MAX_STREAMS, ProbeResult, StreamRamp
@@ -47,7 +47,7 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
                   meta: dict | None = None, timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None,
                   congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
                   checksum: bool = False, limits: Limits | None = None, unix_name: str | None = None,
-                  settings: Settings | None = None) -> Link:
+                  secure: bool | None = None, settings: Settings | None = None) -> Link:
     """Open a Link of ``streams`` TCP streams to a wanlink server and authenticate each one.
 
     ``streams`` defaults to WANLINK_STREAMS, else to a count probed on the path (1, 2, 4, ... up to
@@ -57,7 +57,9 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
     namespace only); the streams are Unix sockets, not probed (default 4). ``limits`` default to
-    the protocol's, with WANLINK_STAGING_BYTES. ``settings`` replaces the environment (default
+    the protocol's, with WANLINK_STAGING_BYTES. ``secure`` (default WANLINK_SECURE): every frame
+    encrypted and authenticated, keys derived from the secret and each stream's handshake
+    (docs/security.md). ``settings`` replaces the environment (default
     ``wanlink.settings.from_env()``).
     """
     settings = from_env() if settings is None else settings
@@ -65,6 +67,7 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     if streams is not None:
         check_stream_count(streams)
     key = resolve_secret(secret, settings)
+    secure = settings.secure if secure is None else secure
     chunk_size = settings.chunk_size if chunk_size is None else chunk_size
     chunk_size_from(chunk_size)  # a bad size fails before probing
     count = streams
@@ -73,18 +76,20 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     if count is None and unix_name is not None:
         count = DEFAULT_STREAMS
     if count is None:
-        count, probed_chunk = await _probe_stream_count(host, port, key, congestion, sock_buffer, timeout, settings)
+        count, probed_chunk = await _probe_stream_count(host, port, key, congestion, sock_buffer, timeout, settings,
+                                                        secure)
         if chunk_size is None:
             chunk_size = probed_chunk
     return await open_link(host, port, streams=count, secret=key, meta=meta, timeout=timeout, chunk_size=chunk_size,
                            congestion=congestion, sock_buffer=sock_buffer, compress=compress, checksum=checksum,
-                           limits=limits, unix_name=unix_name)
+                           limits=limits, unix_name=unix_name, secure=secure)
 
 
 async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = None,
                 timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None, backlog: int = 128,
                 chunk_size: int | None = None, congestion: str | None = None, sock_buffer: int | None = None,
                 compress: bool = False, checksum: bool = False, unix: bool = False,
+                auth_timeout: float = AUTH_TIMEOUT, secure: bool | None = None,
                 settings: Settings | None = None) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
@@ -93,7 +98,10 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
     also listens on an abstract Unix socket (``server.unix_name``) for processes of the same host
     and network namespace: the same
     handshake; sending costs a third less CPU per byte than over TCP loopback
-    (bench/loopback_throughput.py --paths tcp unix).
+    (bench/loopback_throughput.py --paths tcp unix). An accepted connection must authenticate
+    within ``auth_timeout`` seconds; when ``limits.max_handshakes`` connections are authenticating,
+    the oldest is evicted (told BUSY; ``connect`` retries), so idle sockets cannot lock clients out.
+    ``secure`` (default WANLINK_SECURE): refuse clients that do not encrypt (docs/security.md).
     """
     settings = from_env() if settings is None else settings
     return await start_server(host, port, on_link=on_link, secret=resolve_secret(secret, settings),
@@ -101,18 +109,19 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
                               backlog=backlog,
                               chunk_size=settings.chunk_size if chunk_size is None else chunk_size,
                               congestion=congestion, sock_buffer=sock_buffer, compress=compress,
-                              checksum=checksum, unix=unix)
+                              checksum=checksum, unix=unix, auth_timeout=auth_timeout,
+                              secure=settings.secure if secure is None else secure)
 
 
 async def _probe_stream_count(host: str, port: int, secret: bytes, congestion, sock_buffer, timeout: float,
-                              settings: Settings) -> tuple[int, int | None]:
+                              settings: Settings, secure: bool) -> tuple[int, int | None]:
     """N (and a chunk size) for a path: probed, except towards loopback unless WANLINK_STREAMS=auto."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     if settings.streams != "auto" and all(is_loopback(info[4][0]) for info in infos):
         return DEFAULT_STREAMS, None  # no window-limited path to measure
     result = await choose_streams(host, port, secret=secret, congestion=congestion, sock_buffer=sock_buffer,
-                                  timeout=timeout, settings=settings)
+                                  timeout=timeout, secure=secure, settings=settings)
     log.info("probed %s:%s: %d streams, %.0f Mbit/s, RTT %.1f ms, chunk %d KiB (%s)", host, port,
              result.streams, 8 * result.rate / 1e6, 1e3 * result.rtt_s, result.chunk_size // 1024, result.reason)
     return result.streams, result.chunk_size
@@ -173,16 +182,18 @@ async def choose_streams(host: str, port: int, *, secret: bytes | str | None = N
                          max_streams: int = MAX_STREAMS, min_gain: float = 0.05, patience: int = 1,
                          congestion: str | None = None, sock_buffer: int | None = None,
                          measure_s: float | None = None, timeout: float = 30.0,
-                         inflight_bytes: int = MIN_INFLIGHT_BYTES, settings: Settings | None = None) -> ProbeResult:
+                         inflight_bytes: int = MIN_INFLIGHT_BYTES, secure: bool | None = None,
+                         settings: Settings | None = None) -> ProbeResult:
     """Probe ``host:port`` (a wanlink server) and choose the stream count and chunk size for it.
 
     Opens Links of 1, 2, 4, ... streams (up to ``max_streams``) and stops once doubling gains
     less than ``min_gain``; returns the smallest count within ``min_gain`` of the best rate.
     ``secret`` and the probe links' chunk size come from ``settings`` (default: the environment)
-    when not given.
+    when not given, and so does ``secure`` (WANLINK_SECURE: a secure server refuses plaintext probes).
     """
     settings = from_env() if settings is None else settings
     key = resolve_secret(secret, settings)
+    secure = settings.secure if secure is None else secure
     if max_streams < 1:
         raise ConfigError(f"max_streams must be >= 1, got {max_streams}")
     ramp = StreamRamp(max_streams=max_streams, min_gain=min_gain, patience=patience)
@@ -191,7 +202,8 @@ async def choose_streams(host: str, port: int, *, secret: bytes | str | None = N
     timing = None
     while (count := ramp.next_streams()) is not None:
         link = await open_link(host, port, streams=count, secret=key, meta=probe_meta, timeout=timeout,
-                               chunk_size=settings.chunk_size, congestion=congestion, sock_buffer=sock_buffer)
+                               chunk_size=settings.chunk_size, congestion=congestion, sock_buffer=sock_buffer,
+                               secure=secure)
         try:
             if rtt is None:
                 rtt = await _rtt(link)

@@ -28,6 +28,11 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent bytes that violate the wire protocol (malformed frame, message or handshake)."""
 
 
+class ServerBusy(RemoteProtocolError):
+    """The server refused a stream for now (too many connections authenticating, or half-open
+    links); ``connect`` retries with backoff within its timeout."""
+
+
 class LimitExceeded(RemoteProtocolError):
     """The peer exceeded a hard limit (frame size, transfer size, streams, pending transfers).
 

@@ -16,6 +16,7 @@ from typing import Literal
 from wanlink.errors import ConfigError
 from wanlink.proto.limits import DEFAULT_LIMITS, MiB, Limits
 from wanlink.sched.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from wanlink.sched.sites import check_site_name
 
 StreamCount = int | Literal["auto"] | None
 """An explicit count, ``"auto"`` (probe even towards loopback) or None (probe remote paths, 4 locally)."""
@@ -71,6 +72,10 @@ def _staging_bytes(name: str, raw: str) -> int:
     return _integer(name, raw, MiB)
 
 
+def _site(name: str, raw: str) -> str | None:
+    return check_site_name(raw, name) if raw.strip() else None
+
+
 def _positive(name: str, raw: str) -> int:
     return _integer(name, raw, 1)
 
@@ -103,6 +108,12 @@ VARIABLES: tuple[Variable, ...] = (
              "address this rank advertises to its peers"),
     Variable("WANLINK_BIND", "bind", _optional_text, "derived from the Store (0.0.0.0 or 127.0.0.1)",
              "address this rank's server binds"),
+    Variable("WANLINK_SITE", "site", _site, "unset: `host:` + this machine's boot id and network namespace",
+             "this rank's site (any name, up to 128 bytes): ranks of one site share a fast local network, "
+             "sites are joined by the WAN; set the same name on every rank of a data centre or cloud region"),
+    Variable("WANLINK_SECURE", "secure", _flag, "0",
+             "1: every frame encrypted and authenticated (AES-256-GCM, keys from the secret); "
+             "a secure server refuses plaintext clients"),
     Variable("WANLINK_COMPRESS", "compress", _flag, "0",
              "1: lz4 per chunk, sent compressed only where that shrinks it"),
     Variable("WANLINK_DIRECT_MAX_BYTES", "direct_max_bytes", _non_negative, "262144",
@@ -129,6 +140,8 @@ class Settings:
     unix: bool = True
     addr: str | None = None
     bind: str | None = None
+    site: str | None = None
+    secure: bool = False
     compress: bool = False
     direct_max_bytes: int = 256 * 1024
     piece_bytes: int = 4 * 1024 * 1024

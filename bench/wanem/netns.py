@@ -114,8 +114,8 @@ def _delete_netns(ns: str) -> None:
 
 
 def list_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
-    """Namespaces named like ours (``<prefix>-<pid>-<n>-a|b``)."""
-    pat = re.compile(rf"^{re.escape(prefix)}-\d+-\d+-[ab]$")
+    """Namespaces named like ours (``<prefix>-<pid>-<n>-a|b``, sites: ``-a0``, ``-asw``...)."""
+    pat = re.compile(rf"^{re.escape(prefix)}-\d+-\d+-[ab](\d+|sw)?$")
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line and pat.match(line.split()[0])]
 
@@ -139,7 +139,205 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class WanPath:
+def wan_link(rtt_ms: float, rate_mbit: float, loss: float, queue_kb: float | None, queue_pkts: int | None) -> Link:
+    """One direction of a path of ``rtt_ms``; the queue defaults to 20 ms at the rate."""
+    if queue_kb is None and queue_pkts is None and rate_mbit > 0:
+        queue_kb = max(64.0, rate_mbit * 1e6 / 8 * DEFAULT_QUEUE_MS / 1e3 / 1024)
+    return Link(rtt_ms / 2, rate_mbit, loss, queue_kb, queue_pkts)
+
+
+def check_link(link: Link) -> None:
+    if link.delay_ms < 0 or link.rate_mbit < 0 or not 0 <= link.loss <= 1:
+        raise ValueError(f"invalid link {link}")
+
+
+def check_cc(*names: str | None) -> None:
+    available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+    for name in set(names) - {None}:
+        if available.exists() and name not in available.read_text().split():
+            raise ValueError(f"congestion control {name!r} not available; the kernel has: "
+                             f"{available.read_text().strip()}")
+
+
+def route_to(prefix: str, dev: str, src: str, cc: str | None, extra: str = "") -> str:
+    """An ``ip route`` command; congestion control as a route attribute works for any available
+    algorithm, not only the namespace's "allowed" ones."""
+    route = f"route replace {prefix} dev {dev} {extra} src {src}".replace("  ", " ")
+    return route + (f" congctl {cc}" if cc else "")
+
+
+class Emulator:
+    """One running ``wanem`` process joining device ``dev_a`` in ``ns_a`` to ``dev_b`` in ``ns_b``."""
+
+    def __init__(self, binary: Path, workdir: str, name: str, ns_a: str, ns_b: str, ab: Link, ba: Link, *,
+                 seed: int, offload: bool, dev_a: str = DEV, dev_b: str = DEV):
+        self.stats_path = os.path.join(workdir, f"{name}.stats.json")
+        self._stderr_path = os.path.join(workdir, f"{name}.stderr")
+        argv = [str(binary), "--ns-a", str(NETNS_DIR / ns_a), "--ns-b", str(NETNS_DIR / ns_b),
+                "--dev", dev_a, "--dev-b", dev_b, "--stats", self.stats_path, "--seed", str(seed),
+                "--parent", str(os.getpid()), *ab.args("ab"), *ba.args("ba")]
+        if not offload:
+            argv.append("--no-offload")
+        with open(self._stderr_path, "w") as err:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 10.0)
+        line = self.proc.stdout.readline() if ready else ""
+        if line.strip() != "READY":
+            self.proc.kill()
+            self.proc.wait()
+            self.proc.stdout.close()
+            raise WanemError(f"wanem did not start: {self._stderr() or 'no READY within 10 s'}")
+
+    def cpu_seconds(self) -> float:
+        return _cpu_seconds(self.proc.pid)
+
+    def stats(self) -> dict:
+        """Counters per direction ("ab", "ba"), written by the emulator on SIGUSR1."""
+        if self.proc.poll() is not None:
+            raise WanemError("emulator is not running")
+        before = os.stat(self.stats_path).st_mtime_ns if os.path.exists(self.stats_path) else 0
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            if os.path.exists(self.stats_path) and os.stat(self.stats_path).st_mtime_ns != before:
+                return self.read_stats()
+            time.sleep(0.005)
+        raise WanemError("emulator did not write its stats")
+
+    def stop(self) -> dict | None:
+        """Terminate it (the TUN devices go with it); return its last counters."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        return self.read_stats()
+
+    def read_stats(self) -> dict | None:
+        try:
+            with open(self.stats_path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def _stderr(self) -> str:
+        try:
+            return Path(self._stderr_path).read_text().strip()
+        except OSError:
+            return ""
+
+
+class Topology:
+    """Namespaces and emulators this process created, and the processes it started in them.
+
+    Subclasses lay out their namespaces in ``_build``; ``down()`` undoes everything (idempotent,
+    also registered with ``atexit``).
+    """
+
+    def __init__(self, prefix: str):
+        self.name = f"{prefix}-{os.getpid()}-{next(_counter)}"
+        self.sysctls: dict[str, dict[str, str]] = {}
+        self._tmp: str | None = None
+        self._children: list[subprocess.Popen] = []
+        self._emulators: list[Emulator] = []
+        self._created: list[str] = []
+
+    def __enter__(self):
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def up(self):
+        """Create the namespaces, start the emulators, configure addresses, routes and sysctls."""
+        check_environment()
+        binary = build()
+        atexit.register(self.down)
+        try:
+            self._tmp = tempfile.mkdtemp(prefix="wanem-")
+            self._build(binary)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _build(self, binary: Path) -> None:
+        raise NotImplementedError
+
+    def _add_namespace(self, suffix: str) -> str:
+        ns = f"{self.name}-{suffix}"
+        _sh(["ip", "netns", "add", ns])
+        self._created.append(ns)
+        return ns
+
+    def _start_emulator(self, binary: Path, ns_a: str, ns_b: str, ab: Link, ba: Link, **kw) -> Emulator:
+        emulator = Emulator(binary, self._tmp, f"e{len(self._emulators)}", ns_a, ns_b, ab, ba, **kw)
+        self._emulators.append(emulator)
+        return emulator
+
+    def _set_sysctls(self, ns: str, window_kb: float | None, extra: dict[str, str] | None = None) -> None:
+        """No cached ssthresh, no IPv6, the TCP buffer caps of ``window_kb``; read back into ``sysctls``."""
+        want = {"net.ipv4.tcp_no_metrics_save": "1",  # no cached ssthresh between runs
+                "net.ipv6.conf.all.disable_ipv6": "1",  # before link up: no IPv6 chatter
+                "net.ipv6.conf.default.disable_ipv6": "1", **(extra or {})}
+        if window_kb is not None:
+            rmem = int(window_kb * 1024 / RCV_WINDOW_FRACTION)
+            want["net.ipv4.tcp_rmem"] = f"4096 131072 {rmem}"
+            want["net.ipv4.tcp_wmem"] = f"4096 16384 {2 * rmem}"
+        _sh(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *[f"{k}={v}" for k, v in want.items()]])
+        if window_kb is not None:
+            # Per-netns on recent kernels but read-only outside the initial namespace on some
+            # (as here); the effective values are read back below into self.sysctls.
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                            f"net.core.rmem_max={rmem}", f"net.core.wmem_max={2 * rmem}"],
+                           capture_output=True)
+        keys = [*want, "net.core.rmem_max", "net.core.wmem_max", "net.ipv4.tcp_congestion_control"]
+        out = _sh(["ip", "netns", "exec", ns, "sysctl", *keys]).stdout
+        self.sysctls[ns] = dict(line.split(" = ", 1) for line in out.splitlines() if " = " in line)
+
+    def down(self) -> None:
+        """Stop processes we started, the emulators, and delete our namespaces (idempotent)."""
+        atexit.unregister(self.down)
+        for proc in self._children:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._children:
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._children.clear()
+        self._final_stats([e.stop() for e in self._emulators])
+        self._emulators.clear()
+        for ns in self._created:
+            _delete_netns(ns)
+        self._created.clear()
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _final_stats(self, stats: list[dict | None]) -> None:
+        """Keep the emulators' last counters (subclasses say where)."""
+
+    # -- running things inside ---------------------------------------------------------------
+
+    @staticmethod
+    def cmd_in(ns: str, argv: list[str]) -> list[str]:
+        """`argv` wrapped to run in namespace `ns`."""
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def popen_in(self, ns: str, argv: list[str], **kw) -> subprocess.Popen:
+        """subprocess.Popen in namespace `ns`; terminated by down() if still running."""
+        proc = subprocess.Popen(self.cmd_in(ns, argv), **kw)
+        self._children.append(proc)
+        return proc
+
+
+class WanPath(Topology):
     """Two namespaces joined by the wanem emulator; symmetric unless `ab`/`ba` are given.
 
     rtt_ms: base RTT (half each way); rate_mbit: bottleneck rate (0 = unlimited); loss: random
@@ -156,138 +354,47 @@ class WanPath:
                  window_kb: float | None = DEFAULT_WINDOW_KB, cc: str | tuple[str, str] | None = None,
                  seed: int = 1, ab: Link | None = None, ba: Link | None = None, mtu: int = 1500,
                  offload: bool = True, prefix: str = DEFAULT_PREFIX):
-        if queue_kb is None and queue_pkts is None and rate_mbit > 0:
-            queue_kb = max(64.0, rate_mbit * 1e6 / 8 * DEFAULT_QUEUE_MS / 1e3 / 1024)
-        sym = Link(rtt_ms / 2, rate_mbit, loss, queue_kb, queue_pkts)
+        super().__init__(prefix)
+        sym = wan_link(rtt_ms, rate_mbit, loss, queue_kb, queue_pkts)
         self.ab = ab or sym
         self.ba = ba or sym
-        for link in (self.ab, self.ba):
-            if link.delay_ms < 0 or link.rate_mbit < 0 or not 0 <= link.loss <= 1:
-                raise ValueError(f"invalid link {link}")
+        check_link(self.ab)
+        check_link(self.ba)
         self.cc_a, self.cc_b = (cc, cc) if cc is None or isinstance(cc, str) else cc
-        available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
-        for name in {self.cc_a, self.cc_b} - {None}:
-            if available.exists() and name not in available.read_text().split():
-                raise ValueError(f"congestion control {name!r} not available; the kernel has: "
-                                 f"{available.read_text().strip()}")
+        check_cc(self.cc_a, self.cc_b)
         self.window_kb, self.seed, self.mtu, self.offload = window_kb, seed, mtu, offload
-        n = next(_counter)
-        self.ns_a = f"{prefix}-{os.getpid()}-{n}-a"
-        self.ns_b = f"{prefix}-{os.getpid()}-{n}-b"
+        self.ns_a = f"{self.name}-a"
+        self.ns_b = f"{self.name}-b"
         self.addr_a, self.addr_b = ADDR_A, ADDR_B
-        self.emulator: subprocess.Popen | None = None
-        self.sysctls: dict[str, dict[str, str]] = {}
         self.final_stats: dict | None = None
-        self._tmp: str | None = None
-        self._children: list[subprocess.Popen] = []
-        self._created: list[str] = []
 
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def __enter__(self) -> "WanPath":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
-
-    def up(self) -> "WanPath":
-        """Create namespaces, start the emulator, configure addresses, routes and sysctls."""
-        check_environment()
-        binary = build()
-        atexit.register(self.down)
-        try:
-            self._tmp = tempfile.mkdtemp(prefix="wanem-")
-            for ns in (self.ns_a, self.ns_b):
-                _sh(["ip", "netns", "add", ns])
-                self._created.append(ns)
-            self._start_emulator(binary)
-            self._configure(self.ns_a, self.addr_a, self.addr_b, self.cc_a)
-            self._configure(self.ns_b, self.addr_b, self.addr_a, self.cc_b)
-        except BaseException:
-            self.down()
-            raise
-        return self
-
-    def _start_emulator(self, binary: Path) -> None:
-        argv = [str(binary), "--ns-a", str(NETNS_DIR / self.ns_a), "--ns-b", str(NETNS_DIR / self.ns_b),
-                "--dev", DEV, "--stats", self.stats_path, "--seed", str(self.seed),
-                "--parent", str(os.getpid()), *self.ab.args("ab"), *self.ba.args("ba")]
-        if not self.offload:
-            argv.append("--no-offload")
-        err = open(os.path.join(self._tmp, "stderr"), "w")
-        self.emulator = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
-        err.close()
-        ready, _, _ = select.select([self.emulator.stdout], [], [], 10.0)
-        line = self.emulator.stdout.readline() if ready else ""
-        if line.strip() != "READY":
-            self.emulator.kill()
-            self.emulator.wait()
-            raise WanemError(f"wanem did not start: {self._emulator_stderr() or 'no READY within 10 s'}")
+    def _build(self, binary: Path) -> None:
+        for ns in (self.ns_a, self.ns_b):
+            self._add_namespace(ns.rsplit("-", 1)[1])
+        self._start_emulator(binary, self.ns_a, self.ns_b, self.ab, self.ba, seed=self.seed, offload=self.offload)
+        self._configure(self.ns_a, self.addr_a, self.addr_b, self.cc_a)
+        self._configure(self.ns_b, self.addr_b, self.addr_a, self.cc_b)
 
     def _configure(self, ns: str, local: str, peer: str, cc: str | None) -> None:
-        want = {"net.ipv4.tcp_no_metrics_save": "1",  # no cached ssthresh between runs
-                "net.ipv6.conf.all.disable_ipv6": "1"}  # before link up: no IPv6 chatter
-        if self.window_kb is not None:
-            rmem = int(self.window_kb * 1024 / RCV_WINDOW_FRACTION)
-            want["net.ipv4.tcp_rmem"] = f"4096 131072 {rmem}"
-            want["net.ipv4.tcp_wmem"] = f"4096 16384 {2 * rmem}"
-        _sh(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *[f"{k}={v}" for k, v in want.items()]])
-        if self.window_kb is not None:
-            # Per-netns on recent kernels but read-only outside the initial namespace on some
-            # (as here); the effective values are read back below into self.sysctls.
-            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                            f"net.core.rmem_max={rmem}", f"net.core.wmem_max={2 * rmem}"],
-                           capture_output=True)
-        keys = [*want, "net.core.rmem_max", "net.core.wmem_max", "net.ipv4.tcp_congestion_control"]
-        out = _sh(["ip", "netns", "exec", ns, "sysctl", *keys]).stdout
-        self.sysctls[ns] = dict(line.split(" = ", 1) for line in out.splitlines() if " = " in line)
-        route = f"route replace {peer}/32 dev {DEV} proto kernel scope link src {local}"
-        if cc:  # a route attribute: any available algorithm, not only the "allowed" ones
-            route += f" congctl {cc}"
+        self._set_sysctls(ns, self.window_kb)
         cmds = ["link set lo up", f"link set {DEV} mtu {self.mtu} txqueuelen 1000 up",
-                f"addr add {local}/32 peer {peer}/32 dev {DEV}", route]
+                f"addr add {local}/32 peer {peer}/32 dev {DEV}",
+                route_to(f"{peer}/32", DEV, local, cc, "proto kernel scope link")]
         _sh(["ip", "-n", ns, "-batch", "-"], input="\n".join(cmds) + "\n")
 
-    def down(self) -> None:
-        """Stop processes we started, the emulator, and delete our namespaces (idempotent)."""
-        atexit.unregister(self.down)
-        for proc in self._children:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self._children:
-            try:
-                proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._children.clear()
-        if self.emulator is not None:
-            if self.emulator.poll() is None:
-                self.emulator.terminate()
-                try:
-                    self.emulator.wait(timeout=3)
-                except subprocess.TimeoutExpired:
-                    self.emulator.kill()
-                    self.emulator.wait()
-            self.emulator.stdout.close()
-            self.final_stats = self._read_stats()
-            self.emulator = None
-        for ns in self._created:
-            _delete_netns(ns)
-        self._created.clear()
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+    def _final_stats(self, stats: list[dict | None]) -> None:
+        if stats:
+            self.final_stats = stats[0]
 
     # -- running things inside ---------------------------------------------------------------
 
     def cmd_a(self, argv: list[str]) -> list[str]:
         """`argv` wrapped to run in namespace A."""
-        return ["ip", "netns", "exec", self.ns_a, *argv]
+        return self.cmd_in(self.ns_a, argv)
 
     def cmd_b(self, argv: list[str]) -> list[str]:
         """`argv` wrapped to run in namespace B."""
-        return ["ip", "netns", "exec", self.ns_b, *argv]
+        return self.cmd_in(self.ns_b, argv)
 
     def run_a(self, argv: list[str], **kw) -> subprocess.CompletedProcess:
         """subprocess.run in namespace A."""
@@ -299,21 +406,21 @@ class WanPath:
 
     def popen_a(self, argv: list[str], **kw) -> subprocess.Popen:
         """subprocess.Popen in namespace A; terminated by down() if still running."""
-        proc = subprocess.Popen(self.cmd_a(argv), **kw)
-        self._children.append(proc)
-        return proc
+        return self.popen_in(self.ns_a, argv, **kw)
 
     def popen_b(self, argv: list[str], **kw) -> subprocess.Popen:
         """subprocess.Popen in namespace B; terminated by down() if still running."""
-        proc = subprocess.Popen(self.cmd_b(argv), **kw)
-        self._children.append(proc)
-        return proc
+        return self.popen_in(self.ns_b, argv, **kw)
 
     # -- emulator introspection ---------------------------------------------------------------
 
     @property
+    def emulator(self) -> subprocess.Popen | None:
+        return self._emulators[0].proc if self._emulators else None
+
+    @property
     def stats_path(self) -> str:
-        return os.path.join(self._tmp or "", "stats.json")
+        return self._emulators[0].stats_path if self._emulators else ""
 
     @property
     def emulator_pid(self) -> int | None:
@@ -321,35 +428,15 @@ class WanPath:
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system, both directions) the emulator has used so far."""
-        if self.emulator is None:
+        if not self._emulators:
             raise WanemError("path is not up")
-        return _cpu_seconds(self.emulator.pid)
+        return self._emulators[0].cpu_seconds()
 
     def stats(self) -> dict:
         """Emulator counters per direction ("ab", "ba"): packets, segments, bytes, drops."""
-        if self.emulator is None or self.emulator.poll() is not None:
+        if not self._emulators:
             raise WanemError("emulator is not running")
-        before = os.stat(self.stats_path).st_mtime_ns if os.path.exists(self.stats_path) else 0
-        self.emulator.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
-            if os.path.exists(self.stats_path) and os.stat(self.stats_path).st_mtime_ns != before:
-                return self._read_stats()
-            time.sleep(0.005)
-        raise WanemError("emulator did not write its stats")
-
-    def _read_stats(self) -> dict | None:
-        try:
-            with open(self.stats_path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
-
-    def _emulator_stderr(self) -> str:
-        try:
-            return Path(self._tmp, "stderr").read_text().strip()
-        except OSError:
-            return ""
+        return self._emulators[0].stats()
 
 
 # -- CLI ---------------------------------------------------------------------------------------

@@ -555,10 +555,11 @@ static double num(const char *opt, const char *s, double lo, double hi)
 
 static void usage(void)
 {
-    fputs("usage: wanem --ns-a NSPATH --ns-b NSPATH [--dev NAME] [--stats FILE] [--seed N]\n"
+    fputs("usage: wanem --ns-a NSPATH --ns-b NSPATH [--dev NAME] [--dev-b NAME] [--stats FILE] [--seed N]\n"
           "             [--parent PID] [--ring-mb MB] [--no-offload]\n"
           "             [--{delay-ms,rate-mbit,loss,queue-bytes,queue-pkts}-{ab,ba} V]...\n"
-          "a->b is traffic sent from namespace A; rate 0 = unlimited; queue 0 = no limit.\n",
+          "a->b is traffic sent from namespace A; rate 0 = unlimited; queue 0 = no limit.\n"
+          "--dev names the device in both namespaces (default wan0), --dev-b the one in B.\n",
           stderr);
     exit(2);
 }
@@ -567,16 +568,16 @@ int main(int argc, char **argv)
 {
     static struct dir ab, ba;
     struct cfg cab = {0}, cba = {0};
-    const char *ns_a = NULL, *ns_b = NULL, *dev = "wan0";
+    const char *ns_a = NULL, *ns_b = NULL, *dev = "wan0", *dev_b = NULL;
     uint64_t seed = 1;
     long parent = 0;
     double ring_mb = 0;
     int fa, fb, sig;
     pthread_t t1, t2;
     sigset_t set;
-    enum { O_NSA = 256, O_NSB, O_DEV, O_STATS, O_SEED, O_PARENT, O_RING, O_NOOFF, O_DIR };
+    enum { O_NSA = 256, O_NSB, O_DEV, O_DEVB, O_STATS, O_SEED, O_PARENT, O_RING, O_NOOFF, O_DIR };
     static const struct option opts[] = {
-        {"ns-a", 1, 0, O_NSA}, {"ns-b", 1, 0, O_NSB}, {"dev", 1, 0, O_DEV},
+        {"ns-a", 1, 0, O_NSA}, {"ns-b", 1, 0, O_NSB}, {"dev", 1, 0, O_DEV}, {"dev-b", 1, 0, O_DEVB},
         {"stats", 1, 0, O_STATS}, {"seed", 1, 0, O_SEED}, {"parent", 1, 0, O_PARENT},
         {"ring-mb", 1, 0, O_RING}, {"no-offload", 0, 0, O_NOOFF},
         {"delay-ms-ab", 1, 0, O_DIR + 0}, {"rate-mbit-ab", 1, 0, O_DIR + 1},
@@ -588,11 +589,12 @@ int main(int argc, char **argv)
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         struct cfg *c = o >= O_DIR + 5 ? &cba : &cab;
-        const char *name = o >= O_DIR ? opts[8 + o - O_DIR].name : "";
+        const char *name = o >= O_DIR ? opts[9 + o - O_DIR].name : "";
         switch (o) {
         case O_NSA: ns_a = optarg; break;
         case O_NSB: ns_b = optarg; break;
         case O_DEV: dev = optarg; break;
+        case O_DEVB: dev_b = optarg; break;
         case O_STATS: stats_path = optarg; break;
         case O_SEED: seed = (uint64_t)num("seed", optarg, 0, 9e15); break;
         case O_PARENT: parent = (long)num("parent", optarg, 1, 4194304); break;
@@ -608,11 +610,13 @@ int main(int argc, char **argv)
     }
     if (!ns_a || !ns_b || optind != argc)
         usage();
-    if (strlen(dev) >= IFNAMSIZ)
-        die("--dev: name too long");
+    if (!dev_b)
+        dev_b = dev;
+    if (strlen(dev) >= IFNAMSIZ || strlen(dev_b) >= IFNAMSIZ)
+        die("--dev/--dev-b: name too long");
 
     fa = open_tun(ns_a, dev);
-    fb = open_tun(ns_b, dev);
+    fb = open_tun(ns_b, dev_b);
     init_dir(&ab, "a->b", fa, fb, cab, seed * 2 + 1, ring_mb);
     init_dir(&ba, "b->a", fb, fa, cba, seed * 2 + 2, ring_mb);
 

@@ -4,33 +4,16 @@ Needs root, /dev/net/tun, `ip` and a C compiler; skipped (with the reason) other
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from bench.wanem import WanemError, WanPath, build, check_environment
-from bench.wanem.builder import compiler
+from tests.support.netns import needs_netns
 
 RTT_MS = 20.0
 
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and TUN devices)"
-    if not os.path.exists("/dev/net/tun"):
-        return "/dev/net/tun is missing"
-    if shutil.which("ip") is None:
-        return "iproute2 'ip' is missing"
-    if compiler() is None:
-        return "no C compiler to build bench/wanem/wanem.c"
-    return None
-
-
-def needs_netns(test):
-    """Mark a test as needing namespaces; skip it with the reason when they are unavailable."""
-    return pytest.mark.netns(pytest.mark.skipif(_missing() is not None, reason=_missing() or "")(test))
 
 # Echo server for namespace B: prints its port, then echoes each connection until EOF.
 SERVER = r"""

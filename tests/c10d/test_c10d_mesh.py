@@ -30,10 +30,10 @@ def test_failed_rendezvous_closes_the_server_and_the_links_made_so_far():
 
     import pytest
 
-    from wanlink.c10d.mesh import ADDRESS_KEY, LOCAL_KEY, WORLD_KEY, Mesh
+    from wanlink.c10d.mesh import ADDRESS_KEY, LOCAL_KEY, SITE_KEY, WORLD_KEY, Mesh
+    from wanlink.endpoints import serve
     from wanlink.errors import PeerLost
     from wanlink.io.runtime import get_runtime
-    from wanlink.endpoints import serve
     from wanlink.settings import Settings
 
     runtime = get_runtime()
@@ -59,6 +59,7 @@ def test_failed_rendezvous_closes_the_server_and_the_links_made_so_far():
     store.set(ADDRESS_KEY.format(rank=1), f"127.0.0.1:{hang_up.getsockname()[1]}")
     for rank in (0, 1):
         store.set(LOCAL_KEY.format(rank=rank), " ")
+        store.set(SITE_KEY.format(rank=rank), "here")
     try:
         with pytest.raises(PeerLost, match="rank 2 -> rank 1"):
             Mesh(store, 2, 3, timedelta(seconds=60), Settings(secret="s", streams=1, unix=False))

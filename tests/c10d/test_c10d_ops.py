@@ -1,9 +1,11 @@
-"""Every collective of backend "wanlink" against gloo, in one spawned world per world size.
+"""Every collective of backend "wanlink" against gloo, in one spawned world per world layout.
 
 Each world's default group is wanlink; ``dist.new_group(backend="gloo")`` gives the reference.
 Values are small integers (also for floats), so every dtype's result is exact and compared with
 ``torch.equal``. Non-contiguous inputs are compared with gloo run on contiguous copies.
-World 2 uses the default algorithm thresholds; world 3 forces rings with many pieces.
+World 2 uses the default algorithm thresholds; world 3 forces rings with many pieces; the site
+worlds (``WANLINK_SITE`` per rank: 2 sites x 2 ranks, 2 + 1, 3 + 1) force the site-aware algorithms
+(docs/sites.md) with many pieces.
 """
 from __future__ import annotations
 
@@ -19,7 +21,14 @@ R = dist.ReduceOp
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.int32, torch.int64, torch.uint8]
 SMALL, BIG = 37, 5003
-WORLDS = {2: {}, 3: {"WANLINK_DIRECT_MAX_BYTES": "2048", "WANLINK_PIECE_BYTES": "4096"}}
+MANY_PIECES = {"WANLINK_DIRECT_MAX_BYTES": "2048", "WANLINK_PIECE_BYTES": "4096"}
+WORLDS = {  # name: (each rank's WANLINK_SITE, "" for unset; the environment of every rank)
+    "2": (["", ""], {}),
+    "3": (["", "", ""], MANY_PIECES),
+    "sites 2x2": (["a", "a", "b", "b"], MANY_PIECES),
+    "sites 2+1": (["a", "a", "b"], MANY_PIECES),
+    "sites 3+1": (["a", "b", "a", "a"], MANY_PIECES),
+}
 
 
 def make(seed: int, shape, dtype, strided: bool = False, low: int = -3, high: int = 4) -> torch.Tensor:
@@ -391,6 +400,31 @@ def _(rank, size, gloo):
     assert dist.get_backend(pair if rank in members else everyone) == "wanlink"
 
 
+@case("site_map")
+def _(rank, size, gloo):
+    import os
+
+    import wanlink
+    from wanlink.c10d import site_map
+
+    names = [None] * size
+    dist.all_gather_object(names, os.environ.get("WANLINK_SITE"), group=gloo)
+    described = site_map()
+    cells = {}
+    for peer, name in enumerate(names):  # unset: every rank here is on this host, so in its site
+        cells.setdefault(name or described["site"], []).append(peer)
+    assert described["cells"] == cells and described["site"] == (names[rank] or described["site"]), described
+    assert described["local_dp_rank"] == cells[described["site"]].index(rank)
+    assert described["site_aware"] == (len(cells) > 1), described  # every site world here pays off
+    for link in wanlink.stats().values():
+        assert link["site"] == described["site"] and link["peer_site"] == (names[link["peer_rank"]] or link["site"])
+    pair = dist.new_group([0, size - 1], backend="wanlink")
+    if rank in (0, size - 1):
+        together = names[0] == names[-1]
+        assert sorted(site_map(pair)["cells"].values()) == ([[0, 1]] if together else [[0], [1]])
+        assert site_map(pair)["site_aware"] is False  # two ranks: a ring swaps as much
+
+
 @case("profiler-ranges")
 def _(rank, size, gloo):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -417,24 +451,26 @@ def run_all_cases(rank: int, size: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _world(size: int):
-    """Run the world once per size; a failed world is remembered too (not re-run per case)."""
+def _world(world: str):
+    """Run each world once; a failed world is remembered too (not re-run per case)."""
+    sites, env = WORLDS[world]
+    rank_env = [{"WANLINK_SITE": site} if site else {} for site in sites]
     try:
-        return run_world(size, run_all_cases, env=WORLDS[size], timeout=240), None
+        return run_world(len(sites), run_all_cases, env=env, rank_env=rank_env, timeout=240), None
     except Exception as error:  # noqa: BLE001 - reported by every case of that world
         return None, error
 
 
-def world_outcomes(size: int) -> list[dict]:
-    outcomes, error = _world(size)
+def world_outcomes(world: str) -> list[dict]:
+    outcomes, error = _world(world)
     if error is not None:
         raise error
     return outcomes
 
 
-@pytest.mark.parametrize("size", sorted(WORLDS))
+@pytest.mark.parametrize("world", list(WORLDS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_gloo(name, size):
-    failures = [f"rank {rank}: {outcome[name]}" for rank, outcome in enumerate(world_outcomes(size))
+def test_matches_gloo(name, world):
+    failures = [f"rank {rank}: {outcome[name]}" for rank, outcome in enumerate(world_outcomes(world))
                 if outcome[name] is not None]
     assert not failures, "\n".join(failures)

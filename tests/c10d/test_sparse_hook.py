@@ -83,6 +83,23 @@ def test_sparse_steps_keep_ranks_identical_and_gradients_sparse():
     assert nz0 == nz1
 
 
+def _sparse_params_and_site_awareness(rank, size):
+    from wanlink.c10d import site_map
+
+    params, _grads, _ = _train(rank, size, {"density": 0.05})
+    return params, site_map()["site_aware"]
+
+
+def test_sparse_exchange_across_sites_gives_the_flat_result():
+    """2 sites x 2 ranks: the hook's all-gather runs site-aware and every rank ends as in a flat world."""
+    rings = {"WANLINK_DIRECT_MAX_BYTES": "0", "WANLINK_PIECE_BYTES": "4096"}  # never direct exchange
+    flat = run_world(4, _sparse_params_and_site_awareness, env=rings)
+    sites = run_world(4, _sparse_params_and_site_awareness, env=rings,
+                      rank_env=[{"WANLINK_SITE": site} for site in "aabb"])
+    assert [aware for _p, aware in flat] == [False] * 4 and [aware for _p, aware in sites] == [True] * 4
+    assert all(torch.equal(params, flat[0][0]) for params, _aware in flat + sites)
+
+
 def _stale_vs_fresh(rank, size):
     _, fresh, _ = _train(rank, size, {"density": 0.1}, lr=0.0)
     _, stale, flushed = _train(rank, size, {"density": 0.1, "staleness": 1}, lr=0.0)

@@ -108,7 +108,7 @@ def _hello(**changes):
 @pytest.mark.parametrize("raw, error, match", [
     (_hello(magic=b"HTTP"), RemoteProtocolError, "magic"),
     (_hello(version=2), RemoteProtocolError, "version"),
-    (_hello(flags=1), RemoteProtocolError, "flags"),
+    (_hello(flags=2), RemoteProtocolError, "flags"),
     (_hello(count=65), LimitExceeded, "max_streams"),
     (_hello(index=2, count=2), RemoteProtocolError, "out of range"),
     (_hello(count=0), RemoteProtocolError, "out of range"),

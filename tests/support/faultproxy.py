@@ -1,4 +1,5 @@
-"""A fault-injecting TCP proxy for transport tests: cut connections, stall forwarding."""
+"""A fault-injecting TCP proxy for transport tests: cut connections, stall forwarding, read or
+rewrite what passes (an on-path attacker)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ class FaultProxy:
     """Forwards 127.0.0.1:<port> to a target. ``cut(i)`` kills the i-th accepted connection
     (both directions, as a broken path would), ``stall()``/``resume()`` stop and restart forwarding,
     and ``cut_after(i, nbytes)`` kills connection i once it has carried nbytes client->server.
+    ``rewrite = fn`` passes every forwarded piece through ``fn(upstream, data) -> data``.
     """
 
     def __init__(self, target_port: int):
@@ -29,6 +31,7 @@ class FaultProxy:
         self._running.set()
         self._cut_after: dict[int, int] = {}
         self._server: asyncio.Server | None = None
+        self.rewrite = None
 
     @property
     def port(self) -> int:
@@ -55,6 +58,8 @@ class FaultProxy:
                 if not data:
                     break
                 await self._running.wait()
+                if self.rewrite is not None:
+                    data = self.rewrite(upstream, data)
                 writer.write(data)
                 await writer.drain()
                 if upstream:

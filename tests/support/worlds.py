@@ -40,14 +40,19 @@ class WorldFailed(AssertionError):
 
 
 def run_world(size: int, target, *args, backend: str = "wanlink", timeout: float = 120.0,
-              init_timeout: float = 60.0, env: dict | None = None, allow_errors: bool = False) -> list:
-    """Return every rank's result (``("ok", value)``/``("error", text)`` when ``allow_errors``)."""
+              init_timeout: float = 60.0, env: dict | None = None, allow_errors: bool = False,
+              rank_env: list[dict] | None = None) -> list:
+    """Return every rank's result (``("ok", value)``/``("error", text)`` when ``allow_errors``).
+
+    ``env`` is set in every rank, ``rank_env[rank]`` (e.g. its ``WANLINK_SITE``) in that rank only.
+    """
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="wanlink-world-") as workdir:
         store_path = os.path.join(workdir, "store")
         processes = [context.Process(target=_rank_main, daemon=True,
                                      args=(rank, size, store_path, workdir, target, args, backend,
-                                           init_timeout, {"TORCH_DEVICE_BACKEND_AUTOLOAD": "1", **(env or {})},
+                                           init_timeout, {"TORCH_DEVICE_BACKEND_AUTOLOAD": "1", **(env or {}),
+                                                          **(rank_env[rank] if rank_env else {})},
                                            max(1.0, timeout - 5)))
                      for rank in range(size)]
         for process in processes:

@@ -9,6 +9,7 @@ _LAZY = {
     "ProcessGroupWanlink": ("wanlink.c10d.process_group", "ProcessGroupWanlink"),
     "create_process_group": ("wanlink.c10d.backend", "create_process_group"),
     "monitored_barrier": ("wanlink.c10d.api", "monitored_barrier"),
+    "site_map": ("wanlink.c10d.api", "site_map"),
 }
 
 __all__ = ["BACKEND_NAME", "autoload", "install", "register", *_LAZY]

@@ -3,8 +3,10 @@
 Every member runs one wanlink server and publishes ``host:port`` under ``wanlink/addr/<rank>``,
 and under ``wanlink/local/<rank>`` its host key and abstract Unix socket: members of one host (and
 network namespace) link over Unix sockets instead of TCP loopback (``WANLINK_UNIX=0`` turns that off).
-Links are made at start-up (and re-requested lazily), one per pair of members, and shared by every
-process group of that world: the member with the higher rank connects, the lower one accepts. The shared secret is
+Under ``wanlink/site/<rank>`` it publishes its site (``WANLINK_SITE``, else its host): the world's
+:class:`~wanlink.sched.sites.SiteMap` (docs/sites.md).
+Links are made at start-up (and re-requested lazily), one per pair of members, and shared by
+every process group of that world: the member with the higher rank connects, the lower one accepts. The shared secret is
 ``WANLINK_SECRET`` when set, otherwise made by rank 0 and handed out through the Store (see
 docs/c10d.md for what that means for trust).
 
@@ -29,12 +31,14 @@ from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost
 from wanlink.endpoints import connect, serve
 from wanlink.io.runtime import get_runtime
 from wanlink.io.sockets import same_host_key
+from wanlink.sched.sites import SiteMap, site_name
 from wanlink.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 ADDRESS_KEY = "wanlink/addr/{rank}"
 LOCAL_KEY = "wanlink/local/{rank}"
+SITE_KEY = "wanlink/site/{rank}"
 SECRET_KEY = "wanlink/secret"
 WORLD_KEY = "wanlink/world"
 
@@ -121,6 +125,7 @@ class Mesh:
         self.server = None
         self.addresses: dict[int, tuple[str, int]] = {}
         self.unix_names: dict[int, str] = {}  # peers of this host: their abstract socket
+        self.site = site_name(settings.site, same_host_key(), socket.gethostname())
         bind, advertised = advertised_address(store, settings)
         host_key = same_host_key() if settings.unix else ""
         self.server = self.runtime.run(
@@ -138,6 +143,7 @@ class Mesh:
         rank, timeout = self.rank, self.timeout
         store.set(ADDRESS_KEY.format(rank=rank), f"{advertised}:{self.server.port}")
         store.set(LOCAL_KEY.format(rank=rank), f"{host_key} {self.server.unix_name or ''}")
+        store.set(SITE_KEY.format(rank=rank), self.site)
         for peer in range(self.size):
             address = _store_get(store, ADDRESS_KEY.format(rank=peer), timeout).decode()
             host, _, port = address.rpartition(":")
@@ -148,6 +154,8 @@ class Mesh:
             peer_key, _, unix_name = _store_get(store, LOCAL_KEY.format(rank=peer), timeout).decode().partition(" ")
             if host_key and peer_key == host_key and unix_name:
                 self.unix_names[peer] = unix_name
+        self.sites = SiteMap([_store_get(store, SITE_KEY.format(rank=peer), timeout).decode()
+                              for peer in range(self.size)])
         try:
             self.runtime.run(self._link_all(), timeout.total_seconds())
         except DeadlineExceeded:
@@ -157,7 +165,10 @@ class Mesh:
 
     async def _link_all(self) -> None:
         """Make every link now, so a peer that is missing or dies later is noticed by its link."""
-        await asyncio.gather(*(self.link(peer) for peer in range(self.size) if peer != self.rank))
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        for peer, link in zip(peers, await asyncio.gather(*(self.link(peer) for peer in peers))):
+            # wanlink.stats() says which rank and site each link leads to
+            link.labels.update(peer_rank=peer, peer_site=self.sites.site(peer), site=self.site)
 
     def claim_slot(self, group_name: str) -> int:
         """The tag slot of a group on this mesh; two groups whose names collide are refused."""

@@ -3,7 +3,8 @@
 Each call validates its arguments in the caller's thread (unsupported things raise at once),
 stages tensors into flat CPU buffers, and submits one coroutine to the process's I/O loop; the
 returned Work finishes when that coroutine does. Small tensors use direct exchange, large ones
-pipelined rings (``wanlink.collectives``).
+pipelined rings (``wanlink.collectives``), or the site-aware algorithms when the group spans
+sites where they pay off (docs/sites.md).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
-from wanlink.collectives import choice, direct, sparse
+from wanlink.collectives import direct, sparse
+from wanlink.collectives.choice import AlgorithmChoice
 from wanlink.collectives.base import Comm, gather_all, split
 from wanlink.collectives.reduce_ops import reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
@@ -52,7 +54,9 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         self.label, self.default_timeout = group_name, timeout
         self._group_name, self._group_desc = group_name, group_name
         self.slot = mesh.claim_slot(group_name)
-        self.direct_max_bytes, self.piece_bytes = settings.direct_max_bytes, settings.piece_bytes
+        self.site_map = mesh.sites.subgroup(self.mesh_ranks)
+        self.algorithms = AlgorithmChoice.for_group(settings.direct_max_bytes, self.site_map)
+        self.piece_bytes = settings.piece_bytes
         self.detail = detail  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's fingerprint
         self._sequence = 0
         self._sequence_lock = threading.Lock()
@@ -128,8 +132,9 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         return self._launch(op, f"{op} #{sequence}", run(), outputs,
                             self._timeout_seconds(getattr(opts, "timeout", None)), comms)
 
-    def _is_small(self, size_bytes: int) -> bool:
-        return size_bytes <= self.direct_max_bytes
+    def sites(self) -> dict:
+        """This rank's site and LocalDPRank and the group's cells (``wanlink.c10d.site_map``)."""
+        return {**self.site_map.describe(self.group_rank), "site_aware": self.algorithms.site_aware}
 
     # -- reductions ---------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -145,7 +150,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         buffer = staging.write(tensor, fill=True)
 
         async def body(comm: Comm) -> None:
-            await choice.allreduce(comm, buffer, reducer, name, self.direct_max_bytes)
+            await self.algorithms.allreduce(comm, buffer, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
 
@@ -173,7 +178,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         flat = torch.cat([staging.read(tensor) for tensor in tensors])
 
         async def body(comm: Comm) -> None:
-            await choice.allreduce(comm, flat, reducer, name, self.direct_max_bytes)
+            await self.algorithms.allreduce(comm, flat, reducer, name)
             copy_parts(flat, tensors)
 
         return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts)
@@ -184,7 +189,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         result = staging.write(output)
 
         async def body(comm: Comm) -> None:
-            await choice.reduce_scatter(comm, blocks, result, reducer, name, self.direct_max_bytes)
+            await self.algorithms.reduce_scatter(comm, blocks, result, reducer, name)
 
         return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts)
 
@@ -233,7 +238,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         dtype = outputs[0].dtype
         reducer = reducer_for(name, dtype, op)
         staging = Staging()
-        is_small = [self._is_small(nbytes(output) * self.group_size) for output in outputs]
+        is_small = [self.algorithms.is_small(nbytes(output) * self.group_size) for output in outputs]
         small = [i for i, flag in enumerate(is_small) if flag]
         jobs = [(self._blocks_of(source, output, staging), staging.write(output))  # (blocks, result) each
                 for flag, output, source in zip(is_small, outputs, inputs) if not flag]
@@ -246,7 +251,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
             jobs.append((list(stacked), torch.empty(stacked.shape[1], dtype=dtype)))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([choice.reduce_scatter(comm, blocks, result, reducer, name, self.direct_max_bytes)
+            await gather_all([self.algorithms.reduce_scatter(comm, blocks, result, reducer, name)
                               for comm, (blocks, result) in zip(comms, jobs)])
             if joint:
                 copy_parts(jobs[-1][1], joint)
@@ -267,7 +272,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         buffer = staging.write(tensor, fill=True) if is_root else staging.read(tensor)
 
         async def body(comm: Comm) -> None:
-            await choice.reduce(comm, buffer, root, reducer, name, self.direct_max_bytes)
+            await self.algorithms.reduce(comm, buffer, root, reducer, name)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
@@ -282,14 +287,14 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         buffer = staging.read(tensor) if self.group_rank == root else staging.write(tensor)
 
         async def body(comm: Comm) -> None:
-            await choice.broadcast(comm, buffer, root, self.direct_max_bytes)
+            await self.algorithms.broadcast(comm, buffer, root)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
 
     def _all_gather_into(self, op: str, source: torch.Tensor, targets: list[torch.Tensor],
                          staging: Staging, outputs: list, opts) -> WanlinkWork:
         async def body(comm: Comm) -> None:
-            await choice.all_gather(comm, source, targets, self.direct_max_bytes)
+            await self.algorithms.all_gather(comm, source, targets)
 
         return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts)
 
@@ -325,7 +330,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         """Rank k's inputs[i] lands in destinations[k][i], as one Work. Small inputs travel together
         as one all-gather of their bytes, concatenated (one round instead of one each); large ones
         run as their own all-gathers, all at once."""
-        is_small = [self._is_small(nbytes(tensor) * self.group_size) for tensor in inputs]
+        is_small = [self.algorithms.is_small(nbytes(tensor) * self.group_size) for tensor in inputs]
         small = [i for i, flag in enumerate(is_small) if flag]
         jobs = [(staging.read(tensor), [staging.write(row[i]) for row in destinations])  # (source, targets) each
                 for i, (flag, tensor) in enumerate(zip(is_small, inputs)) if not flag]
@@ -337,7 +342,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
             jobs.append((gathered[self.group_rank], gathered))
 
         async def body(*comms: Comm) -> None:
-            await gather_all([choice.all_gather(comm, source, targets, self.direct_max_bytes)
+            await gather_all([self.algorithms.all_gather(comm, source, targets)
                               for comm, (source, targets) in zip(comms, jobs)])
             if small:
                 for target, row in zip(gathered, landing):

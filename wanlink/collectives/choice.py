@@ -1,52 +1,85 @@
 """Which algorithm a collective runs: direct exchange (one round) when every member's share is at
-most ``direct_max_bytes``, pipelined rings and chains above. AVG is a SUM finished by a division."""
+most ``direct_max_bytes``; above it, the site-aware algorithms (collectives/hierarchical.py) when the
+group spans sites where they pay off, else pipelined rings and chains. AVG is a SUM finished by a
+division."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 
-from wanlink.collectives import direct, ring
+from wanlink.collectives import direct, hierarchical, ring
 from wanlink.collectives.base import Comm, Reducer
 from wanlink.collectives.reduce_ops import finish_average
+from wanlink.sched.sites import SiteMap
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-async def allreduce(comm: Comm, buffer: torch.Tensor, reducer: Reducer, name: str, direct_max_bytes: int) -> None:
-    await (direct.allreduce if _nbytes(buffer) <= direct_max_bytes else ring.allreduce)(comm, buffer, reducer)
-    if name == "avg":
-        finish_average(buffer, comm.size)
+@dataclasses.dataclass(frozen=True)
+class AlgorithmChoice:
+    """A group's choice of algorithm by size and sites; ``sites`` is None for a flat group."""
 
+    direct_max_bytes: int
+    sites: SiteMap | None = None
 
-async def reduce_scatter(comm: Comm, blocks: Sequence[torch.Tensor], result: torch.Tensor, reducer: Reducer,
-                         name: str, direct_max_bytes: int) -> None:
-    """``result`` = the reduction over members of their ``blocks[rank]``."""
-    if _nbytes(result) * comm.size <= direct_max_bytes:
-        await direct.reduce_scatter(comm, blocks, result, reducer)
-    else:
-        await ring.reduce_scatter_into(comm, blocks, result, reducer)
-    if name == "avg":
-        finish_average(result, comm.size)
+    @classmethod
+    def for_group(cls, direct_max_bytes: int, sites: SiteMap) -> AlgorithmChoice:
+        """Site-aware where :func:`hierarchical.pays_off` for ``sites``, flat otherwise."""
+        return cls(direct_max_bytes, sites if hierarchical.pays_off(sites) else None)
 
+    @property
+    def site_aware(self) -> bool:
+        return self.sites is not None
 
-async def all_gather(comm: Comm, source: torch.Tensor, targets: list[torch.Tensor], direct_max_bytes: int) -> None:
-    """``targets[k]`` = member k's ``source``."""
-    if sum(_nbytes(target) for target in targets) <= direct_max_bytes:
-        await direct.all_gather(comm, source, targets)
-    else:
+    def is_small(self, nbytes: int) -> bool:
+        return nbytes <= self.direct_max_bytes
+
+    async def allreduce(self, comm: Comm, buffer: torch.Tensor, reducer: Reducer, name: str) -> None:
+        if self.is_small(_nbytes(buffer)):
+            await direct.allreduce(comm, buffer, reducer)
+        elif self.sites is not None:
+            await hierarchical.allreduce(comm, self.sites, buffer, reducer)
+        else:
+            await ring.allreduce(comm, buffer, reducer)
+        if name == "avg":
+            finish_average(buffer, comm.size)
+
+    async def reduce_scatter(self, comm: Comm, blocks: Sequence[torch.Tensor], result: torch.Tensor,
+                             reducer: Reducer, name: str) -> None:
+        """``result`` = the reduction over members of their ``blocks[rank]``."""
+        if self.is_small(_nbytes(result) * comm.size):
+            await direct.reduce_scatter(comm, blocks, result, reducer)
+        elif self.sites is not None:
+            await hierarchical.reduce_scatter(comm, self.sites, blocks, result, reducer)
+        else:
+            await ring.reduce_scatter_into(comm, blocks, result, reducer)
+        if name == "avg":
+            finish_average(result, comm.size)
+
+    async def all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor]) -> None:
+        """``targets[k]`` = member k's ``source``."""
+        if self.is_small(sum(_nbytes(target) for target in targets)):
+            await direct.all_gather(comm, source, targets)
+            return
         targets[comm.rank].copy_(source)
-        await ring.all_gather(comm, targets)
+        if self.sites is not None:
+            await hierarchical.all_gather(comm, self.sites, targets)
+        else:
+            await ring.all_gather(comm, targets)
 
+    async def reduce(self, comm: Comm, buffer: torch.Tensor, root: int, reducer: Reducer, name: str) -> None:
+        await (direct.reduce if self.is_small(_nbytes(buffer)) else ring.reduce)(comm, buffer, root, reducer)
+        if comm.rank == root and name == "avg":
+            finish_average(buffer, comm.size)
 
-async def reduce(comm: Comm, buffer: torch.Tensor, root: int, reducer: Reducer, name: str,
-                 direct_max_bytes: int) -> None:
-    await (direct.reduce if _nbytes(buffer) <= direct_max_bytes else ring.reduce)(comm, buffer, root, reducer)
-    if comm.rank == root and name == "avg":
-        finish_average(buffer, comm.size)
-
-
-async def broadcast(comm: Comm, buffer: torch.Tensor, root: int, direct_max_bytes: int) -> None:
-    await (direct.broadcast if _nbytes(buffer) <= direct_max_bytes else ring.broadcast)(comm, buffer, root)
+    async def broadcast(self, comm: Comm, buffer: torch.Tensor, root: int) -> None:
+        if self.is_small(_nbytes(buffer)):
+            await direct.broadcast(comm, buffer, root)
+        elif self.sites is not None:
+            await hierarchical.broadcast(comm, self.sites, buffer, root)
+        else:
+            await ring.broadcast(comm, buffer, root)

@@ -4,9 +4,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import random
 import socket
 
-from wanlink.errors import ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
+from wanlink.errors import (
+    ConfigError, DeadlineExceeded, LimitExceeded, PeerLost, RemoteProtocolError, ServerBusy, WanlinkError,
+)
 from wanlink.io import registry
 from wanlink.io.sockets import (
     close_quietly, configure_stream_socket, congestion_of, is_local_socket, log, recv_exactly,
@@ -21,6 +24,7 @@ from wanlink.proto.frames import (
 from wanlink.proto.handshake import ClientHandshake, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
+from wanlink.proto.seal import stream_keys
 from wanlink.probe.rate import DeliveryRateEstimator
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
@@ -32,6 +36,7 @@ There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; else
 picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
 ABORT_GRACE_S = 1.0  # how long a failing link tries to deliver its ABORT before closing
+BUSY_BACKOFF_S = (0.02, 1.0)  # a stream the server refused BUSY retries after 20 ms, doubling up to 1 s (jittered)
 _INT64 = (-(2**63), 2**63 - 1)
 _LINK_FAILED = object()  # queued to wake control readers when the link fails
 
@@ -72,7 +77,8 @@ class Link:
 
     def __init__(self, socks: list[socket.socket], *, peer: str, link_id: bytes, peer_meta: dict | None = None,
                  limits: Limits = DEFAULT_LIMITS, chunk_size: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 compress: bool = False, checksum: bool = False):
+                 compress: bool = False, checksum: bool = False, keys: list | None = None):
+        """``keys``: per stream, the (send, receive) keys its handshake derived (``secure=True``)."""
         if not socks:
             raise ConfigError("a link needs at least one stream")
         if timeout <= 0:
@@ -80,6 +86,7 @@ class Link:
         self.peer = peer
         self.link_id = link_id
         self.peer_meta = peer_meta or {}
+        self.labels: dict = {}  # what the layers above say about this link (rank, site), shown by stats()
         self.limits = limits
         if chunk_size is None and all(is_local_socket(sock) for sock in socks):
             chunk_size = LOOPBACK_CHUNK_SIZE
@@ -95,7 +102,9 @@ class Link:
         self.requeued_chunks = 0
         self.duplicate_acks = 0
         self.loop = asyncio.get_running_loop()
-        self._streams = [Stream(self, sock, index) for index, sock in enumerate(socks)]
+        keys = keys or [None] * len(socks)
+        self.secure = all(key is not None for key in keys)
+        self._streams = [Stream(self, sock, index, keys[index]) for index, sock in enumerate(socks)]
         self._outgoing: dict[tuple[int, int], tuple[OutgoingTransfer, asyncio.Future]] = {}
         self._next_send_seq: dict[int, int] = {}
         self._recv_waiters: dict[Incoming, asyncio.Future] = {}
@@ -545,6 +554,7 @@ class Link:
             "estimated_bps": 8 * (self.delivery.estimate() or 0.0),
             "chunk_size": self.chunk_size,
             "congestion": congestion,
+            **self.labels,
             "error": None if self.error is None else str(self.error),
         }
 
@@ -577,25 +587,45 @@ def check_stream_count(streams) -> int:
 async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, meta: dict | None = None,
                     timeout: float = DEFAULT_TIMEOUT, chunk_size: int | None = None, congestion: str | None = None,
                     sock_buffer: int | None = None, compress: bool = False, checksum: bool = False,
-                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None) -> Link:
+                    limits: Limits = DEFAULT_LIMITS, unix_name: str | None = None, secure: bool = False) -> Link:
     """Open a Link of exactly ``streams`` TCP streams to a wanlink server and authenticate each one.
 
     Everything is resolved already (``wanlink.connect`` probes the path and reads the settings):
     ``chunk_size`` None is 4 MiB over loopback or Unix sockets, else the transport's default.
-    ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
+    ``timeout`` bounds the connection set-up (a stream the server refuses BUSY is retried with
+    backoff meanwhile) and is the link's silence timeout afterwards.
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
-    namespace only); the streams are then Unix sockets.
+    namespace only); the streams are then Unix sockets. ``secure``: every frame encrypted and
+    authenticated (AES-256-GCM, keys from the secret and each stream's handshake).
     """
     count = check_stream_count(streams)
     chunk_size_from(chunk_size)  # a bad size fails before connecting
     key = normalize_secret(secret)
+    if secure and not key:
+        raise ConfigError("secure=True needs a shared secret (WANLINK_SECRET): keys derive from it")
     if not key:
         log.warning("connecting to %s:%s without authentication (empty secret)", host, port)
     loop = asyncio.get_running_loop()
     link_id = os.urandom(16)
     socks: list[socket.socket | None] = [None] * count
+    keys: list[tuple[bytes, bytes] | None] = [None] * count
+
+    busy_refusals = 0
 
     async def open_stream(index: int) -> None:
+        nonlocal busy_refusals
+        delay = BUSY_BACKOFF_S[0]
+        while True:
+            try:
+                return await attempt_stream(index)
+            except ServerBusy:
+                busy_refusals += 1
+                close_quietly(socks[index])
+                socks[index] = None
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(2 * delay, BUSY_BACKOFF_S[1])
+
+    async def attempt_stream(index: int) -> None:
         if unix_name is not None:
             family, proto, address, peer_host = socket.AF_UNIX, 0, unix_address(unix_name), None
         else:
@@ -606,12 +636,14 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
         socks[index] = sock
         configure_stream_socket(sock, congestion=congestion, buffer_bytes=sock_buffer, peer_host=peer_host)
         await loop.sock_connect(sock, address)
-        handshake = ClientHandshake(key, link_id, index, count, meta, limits=limits)
+        handshake = ClientHandshake(key, link_id, index, count, meta, limits=limits, secure=secure)
         await loop.sock_sendall(sock, handshake.hello())
         while handshake.bytes_wanted():
             reply = handshake.receive(await recv_exactly(loop, sock, handshake.bytes_wanted()))
             if reply:
                 await loop.sock_sendall(sock, reply)
+        if secure:
+            keys[index] = stream_keys(key, *handshake.transcript(), client=True)
 
     tasks = [loop.create_task(open_stream(i), name=f"wanlink-connect-{i}") for i in range(count)]
     try:
@@ -625,10 +657,11 @@ async def open_link(host: str, port: int, *, streams: int, secret: bytes | str, 
             if sock is not None:
                 close_quietly(sock)
         if isinstance(exc, TimeoutError) and not isinstance(exc, DeadlineExceeded):
-            raise DeadlineExceeded(f"connecting to {host}:{port} took more than {timeout:g} s") from None
+            busy = f" (the server answered BUSY {busy_refusals} times)" if busy_refusals else ""
+            raise DeadlineExceeded(f"connecting to {host}:{port} took more than {timeout:g} s{busy}") from None
         if isinstance(exc, OSError) and not isinstance(exc, WanlinkError):
             raise PeerLost(f"cannot connect to {host}:{port}: {exc}") from exc
         raise
     peer = f"{host}:{port}" if unix_name is None else f"unix:{unix_name}"
     return Link(socks, peer=peer, link_id=link_id, limits=limits, chunk_size=chunk_size,
-                timeout=timeout, compress=compress, checksum=checksum).start()
+                timeout=timeout, compress=compress, checksum=checksum, keys=keys).start()

@@ -6,13 +6,20 @@ import dataclasses
 import inspect
 import socket
 
-from wanlink.errors import AuthenticationError, LocalProtocolError, PeerLost, RemoteProtocolError, WanlinkError
+from wanlink.errors import (
+    AuthenticationError, ConfigError, LocalProtocolError, PeerLost, RemoteProtocolError, WanlinkError,
+)
 from wanlink.io import registry
+from wanlink.io.admission import HandshakeTable, RejectionLog
 from wanlink.io.link import DEFAULT_TIMEOUT, Link
 from wanlink.io.sockets import close_quietly, configure_stream_socket, log, recv_exactly, unix_listener
 from wanlink.proto.handshake import PROBE_META_KEY, ServerHandshake, Status, normalize_secret
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
+from wanlink.proto.seal import stream_keys
 from wanlink.sched.chunking import chunk_size_from
+
+AUTH_TIMEOUT = 5.0
+"""Seconds an accepted connection has to authenticate (HELLO to PROOF) before it is dropped."""
 
 
 @dataclasses.dataclass
@@ -23,28 +30,53 @@ class _PendingLink:
     meta: dict | None = None
     peer: str = ""
     socks: dict[int, socket.socket] = dataclasses.field(default_factory=dict)
+    keys: dict[int, tuple[bytes, bytes] | None] = dataclasses.field(default_factory=dict)
     expiry: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Attempt:
+    """One accepted connection that has not authenticated yet (an entry of the handshake table)."""
+
+    sock: socket.socket
+    task: asyncio.Task
+    handshake: ServerHandshake
+    evicted: bool = False
+
+    def evict(self) -> None:
+        self.evicted = True
+        self.task.cancel()
 
 
 class Server:
     """A listening wanlink server; ``close()`` stops accepting (links already handed out stay open)."""
 
     def __init__(self, listener: socket.socket, *, secret: bytes, on_link, limits: Limits, timeout: float,
-                 link_options: dict, unix: tuple[socket.socket, str] | None = None):
+                 link_options: dict, unix: tuple[socket.socket, str] | None = None,
+                 auth_timeout: float = AUTH_TIMEOUT, secure: bool = False):
         self._listener = listener
         self._unix_listener, self.unix_name = unix if unix is not None else (None, None)
         self._secret = secret
         self._on_link = on_link
         self._limits = limits
         self._timeout = timeout
+        self._require_secure = secure  # refuse clients that do not ask for sealed streams
+        self._auth_timeout = min(auth_timeout, timeout)
         self._link_options = link_options
         self.loop = asyncio.get_running_loop()
         self._pending: dict[bytes, _PendingLink] = {}
         self._handlers: set[asyncio.Task] = set()
+        self._callbacks: set[asyncio.Task] = set()  # async on_link calls: they hold no handshake slot
         self._probe_links: set[Link] = set()  # probe traffic only: kept here, never shown to on_link
         self._accept_tasks: dict[socket.socket, asyncio.Task] = {}  # listener -> its accept loop
         self.host, self.port = listener.getsockname()[:2]
-        self.rejected_streams = 0
+        self.handshakes = HandshakeTable(limits.max_handshakes, limits.max_handshakes_per_host)
+        self.rejections = RejectionLog(self.port)
+
+    @property
+    def rejected_streams(self) -> int:
+        """Connections refused so far (evicted, timed out, failed the handshake, or refused BUSY)."""
+        return self.rejections.total
 
     def start(self) -> "Server":
         for listener in self._listeners():
@@ -61,42 +93,54 @@ class Server:
                 log.error("accept on port %d failed: %s", self.port, exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._handlers) >= self._limits.max_handshakes:
-                self.rejected_streams += 1
-                log.warning("refused a connection: %d handshakes already in progress (max_handshakes)",
-                            len(self._handlers))
-                close_quietly(sock)
-                continue
-            self._spawn(self.accept_socket(sock))
+            self._spawn(self.accept_socket(sock), self._handlers)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro, tasks: set) -> None:
         task = self.loop.create_task(coro)
-        self._handlers.add(task)
-        task.add_done_callback(self._handlers.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def accept_socket(self, sock: socket.socket, prefix: bytes = b"") -> None:
-        """Run the handshake on an accepted socket of which ``prefix`` bytes were already read."""
+        """Run the handshake on an accepted socket of which ``prefix`` bytes were already read.
+
+        The connection takes a slot of the handshake table until it authenticated (within
+        ``auth_timeout`` s), evicting the oldest one when the table is full; an evicted connection
+        is told BUSY. ``on_link`` runs after the slot is free.
+        """
         peer = _peer_name(sock)
+        host = peer.rsplit(":", 1)[0]
+        attempt = _Attempt(sock, asyncio.current_task(), ServerHandshake(self._secret, limits=self._limits))
+        for victim in self.handshakes.add(attempt, host):
+            victim.evict()
         try:
             configure_stream_socket(sock, congestion=self._link_options.get("congestion"),
-                                    buffer_bytes=self._link_options.get("sock_buffer"),
-                                    peer_host=peer.rsplit(":", 1)[0])
-            async with asyncio.timeout(self._timeout):
-                accepted = await self._handshake(sock, prefix, peer)
+                                    buffer_bytes=self._link_options.get("sock_buffer"), peer_host=host)
+            async with asyncio.timeout(self._auth_timeout):
+                accepted = await self._handshake(attempt, prefix, peer)
+        except asyncio.CancelledError:
+            if not attempt.evicted:
+                close_quietly(sock)
+                raise
+            asyncio.current_task().uncancel()
+            _send_quietly(sock, attempt.handshake.busy_reply())
+            close_quietly(sock)
+            self.rejections.record(f"evicted: handshake table full (max_handshakes={self._limits.max_handshakes}, "
+                                   f"max_handshakes_per_host={self._limits.max_handshakes_per_host})", host)
+            return
         except (WanlinkError, OSError, TimeoutError) as exc:
-            self.rejected_streams += 1
-            log.warning("rejected stream from %s: %s", peer, _describe(exc))
+            self.rejections.record(_describe(exc, self._auth_timeout), host, example=str(exc))
             close_quietly(sock)
             return
         except BaseException:
             close_quietly(sock)
             raise
+        finally:
+            self.handshakes.remove(attempt)
         if accepted is not None:
-            await self._deliver(accepted)
+            self._deliver(accepted)
 
-    async def _handshake(self, sock: socket.socket, prefix: bytes, peer: str):
-        loop = self.loop
-        handshake = ServerHandshake(self._secret, limits=self._limits)
+    async def _handshake(self, attempt: _Attempt, prefix: bytes, peer: str):
+        loop, sock, handshake = self.loop, attempt.sock, attempt.handshake
         data = prefix
         reply = b""
         while handshake.stream is None:
@@ -105,9 +149,10 @@ class Server:
                 raise LocalProtocolError(f"{len(data)} prefix bytes exceed the {wanted}-byte handshake message")
             data += await recv_exactly(loop, sock, wanted - len(data))
             reply, data = handshake.receive(data), b""
+        self.handshakes.spoke(attempt)
         hello = handshake.stream
         pending = self._pending.get(hello.link_id)
-        status = self._admission(hello, pending)
+        status = Status.INSECURE if self._require_secure and not hello.secure else self._admission(hello, pending)
         if status is not Status.OK:
             await loop.sock_sendall(sock, handshake.reject(status))
             raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
@@ -122,12 +167,15 @@ class Server:
         if status is not Status.OK:
             await loop.sock_sendall(sock, bytes([status]))
             raise RemoteProtocolError(f"stream {hello.index}/{hello.count} refused: {status.name}")
+        self.handshakes.remove(attempt)  # authenticated: no longer evictable
         await loop.sock_sendall(sock, result)
         if pending is None:
             pending = _PendingLink(hello.count)
             pending.expiry = loop.call_later(self._timeout, self._expire, hello.link_id)
             self._pending[hello.link_id] = pending
         pending.socks[hello.index] = sock
+        pending.keys[hello.index] = (stream_keys(self._secret, *handshake.transcript(), client=False)
+                                     if hello.secure else None)
         if hello.index == 0:
             pending.meta, pending.peer = hello.meta, peer
         if len(pending.socks) < pending.count:
@@ -152,10 +200,11 @@ class Server:
         for sock in pending.socks.values():
             close_quietly(sock)
 
-    async def _deliver(self, accepted) -> None:
+    def _deliver(self, accepted) -> None:
         link_id, pending = accepted
         socks = [pending.socks[i] for i in range(pending.count)]
         link = Link(socks, peer=pending.peer, link_id=link_id, peer_meta=pending.meta, limits=self._limits,
+                    keys=[pending.keys[i] for i in range(pending.count)],
                     timeout=self._timeout, **{k: v for k, v in self._link_options.items()
                                               if k in ("chunk_size", "compress", "checksum")}).start()
         self._probe_links = {probe for probe in self._probe_links if not probe.closed}
@@ -164,11 +213,21 @@ class Server:
             return
         try:
             result = self._on_link(link)
-            if inspect.isawaitable(result):
-                await result
         except Exception as exc:  # noqa: BLE001 - a failing callback must not take the server down
-            log.error("on_link callback failed for %s: %r; closing that link", link.name, exc)
-            await link.close()
+            self._callback_failed(link, exc)
+            return
+        if inspect.isawaitable(result):
+            self._spawn(self._await_callback(link, result), self._callbacks)
+
+    async def _await_callback(self, link: Link, result) -> None:
+        try:
+            await result
+        except Exception as exc:  # noqa: BLE001 - as above
+            self._callback_failed(link, exc)
+
+    def _callback_failed(self, link: Link, exc: Exception) -> None:
+        log.error("on_link callback failed for %s: %r; closing that link", link.name, exc)
+        self._spawn(link.close(), self._callbacks)
 
     def _listeners(self) -> list[socket.socket]:
         return [listener for listener in (self._listener, self._unix_listener) if listener is not None]
@@ -182,8 +241,9 @@ class Server:
             else:  # closed once its pending accept ended: a descriptor closed under it breaks the loop's bookkeeping
                 task.cancel()
                 task.add_done_callback(lambda _task, listener=listener: close_quietly(listener))
-        for task in list(self._handlers):
+        for task in [*self._handlers, *self._callbacks]:
             task.cancel()  # each handler closes its own socket once it has ended
+        self.rejections.close()
         for probe in self._probe_links:
             probe.fail(PeerLost("server closed"))
         self._probe_links.clear()
@@ -195,7 +255,7 @@ class Server:
         registry.unregister_server(self)
 
     async def wait_closed(self) -> None:
-        tasks = [*self._accept_tasks.values(), *self._handlers]
+        tasks = [*self._accept_tasks.values(), *self._handlers, *self._callbacks]
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def __aenter__(self):
@@ -216,19 +276,34 @@ def _peer_name(sock: socket.socket) -> str:
     return f"{host}:{port}"
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, auth_timeout: float) -> str:
+    """A rejection reason to count: the kind of failure, without what varies per connection."""
     if isinstance(exc, TimeoutError) and not str(exc):
-        return "handshake timed out"
-    return f"{type(exc).__name__}: {exc}"
+        return f"not authenticated within {auth_timeout:g} s (auth_timeout)"
+    if isinstance(exc, OSError) and not isinstance(exc, WanlinkError):
+        return f"connection lost during the handshake ({type(exc).__name__})"
+    return type(exc).__name__
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    """Best effort, never blocking: a few bytes a fresh socket's send buffer always takes."""
+    try:
+        sock.send(data)
+    except OSError:
+        pass
 
 
 async def start_server(host: str, port: int, *, on_link, secret: bytes | str, timeout: float = DEFAULT_TIMEOUT,
                        limits: Limits = DEFAULT_LIMITS, backlog: int = 128, chunk_size: int | None = None,
                        congestion: str | None = None, sock_buffer: int | None = None, compress: bool = False,
-                       checksum: bool = False, unix: bool = False) -> Server:
+                       checksum: bool = False, unix: bool = False, auth_timeout: float = AUTH_TIMEOUT,
+                       secure: bool = False) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
     Everything is resolved already (``wanlink.serve`` reads the settings for what it is not given).
+    An accepted connection must authenticate within ``auth_timeout`` s (at most ``timeout``).
+    ``secure=True`` refuses clients that do not ask for encrypted, authenticated streams (a client
+    that asks always gets them).
 
     ``unix=True`` also listens on an abstract Unix socket (``server.unix_name``) for processes of
     the same host and network namespace: the same handshake; sending costs a third less CPU per
@@ -236,6 +311,8 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
     """
     key = normalize_secret(secret)
     chunk_size_from(chunk_size)  # a bad size fails now, not at each link
+    if secure and not key:
+        raise ConfigError("secure=True needs a shared secret (WANLINK_SECRET): keys derive from it")
     if not key:
         log.warning("serving on %s:%s without authentication (empty secret)", host, port)
     try:
@@ -251,4 +328,4 @@ async def start_server(host: str, port: int, *, on_link, secret: bytes | str, ti
         close_quietly(listener)
         raise
     return Server(listener, secret=key, on_link=on_link, limits=limits, timeout=timeout,
-                  link_options=options, unix=local).start()
+                  link_options=options, unix=local, auth_timeout=auth_timeout, secure=secure).start()

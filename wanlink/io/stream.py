@@ -11,6 +11,7 @@ from wanlink.proto.frames import (
     CLOSE_FRAME, FLAG_CHECKSUM, FLAG_EAGER, FLAG_LZ4, AbortReceived, AckReceived, ChunkReceived, CloseReceived,
     ControlReceived, FlowReceived, FrameDecoder, PingReceived, ack_header, compress_chunk, data_header,
 )
+from wanlink.proto.seal import FrameOpener, FrameSealer
 from wanlink.sched.chunking import Chunk
 
 MAX_FRAMES_PER_SEND = 256  # bounded by IOV_MAX (1024) with room to spare
@@ -30,7 +31,8 @@ class Stream:
     carries more chunks.
     """
 
-    def __init__(self, link, sock: socket.socket, index: int):
+    def __init__(self, link, sock: socket.socket, index: int, keys: tuple[bytes, bytes] | None = None):
+        """``keys``: (send, receive) keys of a sealed stream (``secure=True``), else None."""
         self.link = link
         self.sock = sock
         self.index = index
@@ -40,6 +42,10 @@ class Stream:
         self.control: list[bytes] = []
         self.wake = asyncio.Event()
         self.decoder = FrameDecoder(link.place, link.limits)  # (the link breaks these cycles: detach())
+        self._sealer = None
+        if keys is not None:  # same interface: the reader never knows
+            self._sealer = FrameSealer(keys[0])
+            self.decoder = FrameOpener(self.decoder, keys[1], f"stream {index} of link {link.name}")
         loop = asyncio.get_running_loop()
         self.loop = loop
         self.last_rx = self.last_tx = loop.time()
@@ -145,6 +151,8 @@ class Stream:
         while True:
             if self.control:
                 frames, self.control = self.control[:MAX_FRAMES_PER_SEND], self.control[MAX_FRAMES_PER_SEND:]
+                if self._sealer is not None:
+                    frames = [self._sealer.seal_frame(frame) for frame in frames]
                 await self.send_frames(frames)
                 continue
             if self.closing:
@@ -176,7 +184,8 @@ class Stream:
                 payload = packed
         header = data_header(transfer.tag, transfer.seq, transfer.total, chunk.offset, len(payload),
                              flags=flags, raw_len=raw_len, checksum=checksum)
-        await self.send_frames([header, payload])
+        parts = [header, payload] if self._sealer is None else self._sealer.seal_data(header, payload)
+        await self.send_frames(parts)
         self.chunks_sent += 1
 
     async def send_frames(self, parts: list) -> None:

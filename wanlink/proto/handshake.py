@@ -6,6 +6,9 @@ Server -> client  CHALLENGE magic | version u16 | status u8 | server_nonce 32B |
 Client -> server  PROOF     client_proof 32B
 Server -> client  RESULT    status u8 (0 = accepted)
 
+HELLO flag 1 (FLAG_SECURE) asks for encryption with integrity (``wanlink.proto.seal``): after
+RESULT every frame on the stream is sealed with keys derived from the secret, HELLO and nonces.
+
 Proofs are HMAC(secret, role || HELLO || server_nonce): both nonces are fresh per stream, so a
 recorded handshake cannot be replayed to either side, and the proof binds link id, stream index
 and count. The server proves first so a client never sends its proof to an impostor it could
@@ -20,7 +23,7 @@ import hmac
 import os
 import struct
 
-from wanlink.errors import AuthenticationError, ConfigError, LocalProtocolError, RemoteProtocolError
+from wanlink.errors import AuthenticationError, ConfigError, LocalProtocolError, RemoteProtocolError, ServerBusy
 from wanlink.proto.control import pack_message, unpack_message
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
@@ -31,6 +34,7 @@ CHALLENGE = struct.Struct("<4sHB32s32s")
 PROOF_SIZE = 32
 RESULT_SIZE = 1
 NONCE_SIZE = 32
+FLAG_SECURE = 1
 PROBE_META_KEY = "wanlink_probe"
 """In stream 0's metadata: the link carries only probe traffic; a server keeps it from its application."""
 
@@ -39,15 +43,17 @@ class Status(enum.IntEnum):
     OK = 0
     VERSION_MISMATCH = 1
     REJECTED = 2  # bad proof
-    BUSY = 3  # too many half-open links
+    BUSY = 3  # too many connections authenticating or half-open links: retry later
     BAD_STREAM = 4  # stream index/count inconsistent with the link
+    INSECURE = 5  # the server requires secure=True
 
 
 _STATUS_TEXT = {
     Status.VERSION_MISMATCH: "protocol version mismatch",
     Status.REJECTED: "authentication failed (wrong secret?)",
-    Status.BUSY: "server busy: too many half-open links",
+    Status.BUSY: "server busy: too many connections authenticating or half-open links",
     Status.BAD_STREAM: "stream index/count inconsistent with the link",
+    Status.INSECURE: "the server requires encryption: connect with secure=True (WANLINK_SECURE=1)",
 }
 
 
@@ -72,20 +78,25 @@ class StreamHello:
     index: int
     count: int
     meta: dict
+    secure: bool = False
 
 
 class ClientHandshake:
     """Client side of one stream's handshake. Drive with ``bytes_wanted()`` / ``receive()``."""
 
     def __init__(self, secret: bytes, link_id: bytes, index: int, count: int, meta: dict | None = None,
-                 *, nonce: bytes | None = None, limits: Limits = DEFAULT_LIMITS):
+                 *, nonce: bytes | None = None, limits: Limits = DEFAULT_LIMITS, secure: bool = False):
         if not 0 <= index < count <= limits.max_streams:
             raise ConfigError(f"stream index {index} / count {count} invalid (max {limits.max_streams} streams)")
         meta_bytes = pack_message(meta) if index == 0 and meta else b""
         limits.check_outgoing("max_meta_size", len(meta_bytes), "handshake metadata")
+        if secure and not secret:
+            raise ConfigError("secure=True needs a shared secret (WANLINK_SECRET): keys derive from it")
         self._secret = secret
-        self._hello = HELLO.pack(MAGIC, VERSION, 0, link_id, index, count, nonce or os.urandom(NONCE_SIZE),
-                                 len(meta_bytes)) + meta_bytes
+        self.secure = secure
+        self._hello = HELLO.pack(MAGIC, VERSION, FLAG_SECURE if secure else 0, link_id, index, count,
+                                 nonce or os.urandom(NONCE_SIZE), len(meta_bytes)) + meta_bytes
+        self._server_nonce = b""
         self._state = "challenge"
         self.accepted = False
 
@@ -109,6 +120,7 @@ class ClientHandshake:
             if not hmac.compare_digest(server_proof, _proof(self._secret, b"server", self._hello, server_nonce)):
                 raise AuthenticationError("server failed to prove it knows the shared secret (wrong secret?)")
             self._state = "result"
+            self._server_nonce = server_nonce
             return _proof(self._secret, b"client", self._hello, server_nonce)
         if self._state == "result":
             _raise_for_status(data[0])
@@ -116,6 +128,12 @@ class ClientHandshake:
             self.accepted = True
             return b""
         raise LocalProtocolError("handshake already finished")
+
+    def transcript(self) -> tuple[bytes, bytes]:
+        """(HELLO, server nonce) of the accepted handshake: what stream keys derive from."""
+        if not self.accepted:
+            raise LocalProtocolError("handshake not finished")
+        return self._hello, self._server_nonce
 
 
 def _raise_for_status(status: int) -> None:
@@ -127,6 +145,8 @@ def _raise_for_status(status: int) -> None:
         raise RemoteProtocolError(f"unknown handshake status {status}") from None
     if status == Status.REJECTED:
         raise AuthenticationError(f"server rejected the stream: {text}")
+    if status == Status.BUSY:
+        raise ServerBusy(f"server rejected the stream: {text}")
     raise RemoteProtocolError(f"server rejected the stream: {text}")
 
 
@@ -177,10 +197,24 @@ class ServerHandshake:
     def done(self) -> bool:
         return self._state == "done"
 
+    def transcript(self) -> tuple[bytes, bytes]:
+        """(HELLO, server nonce) of the accepted handshake: what stream keys derive from."""
+        if not self.done:
+            raise LocalProtocolError("handshake not finished")
+        return self._hello, self._nonce
+
     def reject(self, status: Status) -> bytes:
         """A CHALLENGE carrying an error status, to send before closing the stream."""
         self._state = "failed"
         return CHALLENGE.pack(MAGIC, VERSION, status, bytes(NONCE_SIZE), bytes(32))
+
+    def busy_reply(self) -> bytes:
+        """What tells the client BUSY at this point: a CHALLENGE carrying it before the server sent
+        its own CHALLENGE, the RESULT byte after."""
+        if self._state in ("hello", "meta"):
+            return self.reject(Status.BUSY)
+        self._state = "failed"
+        return bytes([Status.BUSY])
 
     def _on_hello_fixed(self, data: bytes) -> bytes:
         magic, version, flags, link_id, index, count, _nonce, meta_len = HELLO.unpack(data)
@@ -189,7 +223,7 @@ class ServerHandshake:
         if version != VERSION:
             self._state = "failed"
             raise RemoteProtocolError(f"client speaks protocol version {version}, we speak {VERSION}")
-        if flags:
+        if flags & ~FLAG_SECURE:
             raise RemoteProtocolError(f"unknown handshake flags 0x{flags:04x}")
         self._limits.check("max_streams", count, "streams in one link")
         if not 0 <= index < count:
@@ -204,14 +238,14 @@ class ServerHandshake:
         return self._on_meta(b"")
 
     def _on_meta(self, meta_bytes: bytes) -> bytes:
-        _m, _v, _f, link_id, index, count, _n, _l = HELLO.unpack(self._hello_fixed)
+        _m, _v, flags, link_id, index, count, _n, _l = HELLO.unpack(self._hello_fixed)
         meta = {}
         if meta_bytes:
             meta = unpack_message(meta_bytes, "handshake metadata")
             if not isinstance(meta, dict):
                 raise RemoteProtocolError("handshake metadata must be a map")
         self._hello = self._hello_fixed + meta_bytes
-        self.stream = StreamHello(link_id, index, count, meta)
+        self.stream = StreamHello(link_id, index, count, meta, secure=bool(flags & FLAG_SECURE))
         self._state = "proof"
         server_proof = _proof(self._secret, b"server", self._hello, self._nonce)
         return CHALLENGE.pack(MAGIC, VERSION, Status.OK, self._nonce, server_proof)

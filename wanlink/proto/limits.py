@@ -24,7 +24,8 @@ class Limits:
     max_pending_control: int = 1024  # control messages not yet read by the application
     max_meta_size: int = 4 * KiB  # the metadata a client sends in its handshake
     max_pending_links: int = 64  # half-assembled links on a server
-    max_handshakes: int = 256  # streams a server authenticates at once (slow or idle clients)
+    max_handshakes: int = 256  # streams a server authenticates at once; when full, the oldest is evicted
+    max_handshakes_per_host: int = 128  # of those, from one source address (above: its own oldest is evicted)
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -1,0 +1,336 @@
+"""DP-cell temporal sharing of a site's WAN egress (Atlas, section 4.3-4.4), sans-I/O.
+
+A cell is the ranks of one site; each member has its own capped WAN link, so the site's WAN
+bandwidth is the sum of its members' rates. Instead of every pipeline sending over its own
+member's link at once (spatial sharing: each gets one member's rate), the pipelines of a cell
+take turns: the transfer whose turn it is is split into one share per live member, proportional
+to the member's measured rate, so it owns the cell's aggregate bandwidth and all shares end
+together. The next transfer starts only when the last share of the current one is delivered, so
+no two transfers' WAN phases overlap. Turns go round the pipelines by LocalDPRank (the rank
+after the last owner that has a transfer queued), FIFO within one pipeline.
+
+The scheduler does no I/O and reads no clock of its own: the caller feeds it events
+(:meth:`CellScheduler.submit`, :meth:`~CellScheduler.progress`, :meth:`~CellScheduler.member_lost`)
+and carries out the actions each returns (:class:`SendShare`, :class:`TransferFinished`,
+:class:`TransferFailed`). Member rates are re-measured from every finished share with the
+injected clock.
+
+A member that dies mid-turn: the part of its share not yet delivered is re-split over the live
+members, and the transfer finishes over them. A transfer fails (:class:`TransferFailed` carrying a
+:class:`~wanlink.errors.PeerLost` that names the rank) only when its source dies, since the
+source holds the bytes; its queued transfers fail with it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+from wanlink.errors import ConfigError, PeerLost
+
+DEFAULT_GRANULE = 1024 * 1024
+"""Shares are whole multiples of this many bytes (but the transfer's last byte): 1 MiB, one chunk."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendShare:
+    """``rank`` is to send bytes [offset, offset+length) of transfer ``key`` over its WAN link.
+
+    A member sends its shares in the order given and reports delivered bytes with
+    :meth:`CellScheduler.progress`.
+    """
+
+    key: Hashable
+    rank: int
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferFinished:
+    """Every byte of transfer ``key`` was delivered; its WAN phase was [started, finished]."""
+
+    key: Hashable
+    nbytes: int
+    started: float
+    finished: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferFailed:
+    """Transfer ``key`` cannot finish (its source died): drop any of its shares still being sent."""
+
+    key: Hashable
+    error: PeerLost
+
+
+Action = SendShare | TransferFinished | TransferFailed
+
+
+def split_by_rate(nbytes: int, rates: Sequence[tuple[int, float]], granule: int) -> list[tuple[int, int, int]]:
+    """Split [0, nbytes) into contiguous ``(rank, offset, length)`` shares proportional to the rates.
+
+    ``rates`` lists ``(rank, bytes_per_second)`` in the order the shares are laid out. Shares are
+    whole granules (largest-remainder rounding; ties go to the earlier member) except the one that
+    ends at ``nbytes``; members whose share rounds to nothing are left out.
+    """
+    if nbytes <= 0:
+        return []
+    units = -(-nbytes // granule)
+    total_rate = sum(rate for _rank, rate in rates)
+    ideal = [units * rate / total_rate for _rank, rate in rates]
+    counts = [math.floor(x) for x in ideal]
+    by_remainder = sorted(range(len(rates)), key=lambda i: (counts[i] - ideal[i], i))
+    for i in by_remainder[:units - sum(counts)]:
+        counts[i] += 1
+    shares, offset = [], 0
+    for (rank, _rate), count in zip(rates, counts):
+        if count:
+            length = min(count * granule, nbytes - offset)
+            shares.append((rank, offset, length))
+            offset += length
+    return shares
+
+
+@dataclasses.dataclass(slots=True)
+class _Transfer:
+    key: Hashable
+    source: int
+    nbytes: int
+    started: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class _Share:
+    offset: int
+    length: int
+    delivered: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Member:
+    rank: int
+    local_rank: int
+    rate: float
+    alive: bool = True
+    shares: collections.deque[_Share] = dataclasses.field(default_factory=collections.deque)
+    busy_since: float = 0.0  # when the share at the head of ``shares`` started being sent
+
+
+class CellScheduler:
+    """Turns over one cell's aggregate WAN bandwidth for the transfers its pipelines queue.
+
+    ``ranks`` are the cell's members in LocalDPRank order and ``rates`` their initial WAN rates
+    in bytes/s (a probe's estimate or the cloud's cap); ``clock`` returns seconds. ``smoothing``
+    weighs a new rate sample against the old estimate (1: trust the last share only).
+    """
+
+    def __init__(self, ranks: Sequence[int], rates: Sequence[float], clock: Callable[[], float], *,
+                 granule: int = DEFAULT_GRANULE, smoothing: float = 0.5, site: str = ""):
+        if not ranks:
+            raise ConfigError("a cell needs at least one member rank")
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(f"cell member ranks repeat: {list(ranks)}")
+        if len(rates) != len(ranks):
+            raise ConfigError(f"{len(ranks)} cell members but {len(rates)} rates")
+        for rank, rate in zip(ranks, rates):
+            _check_rate(rank, rate)
+        if granule < 1:
+            raise ConfigError(f"share granule must be >= 1 byte, got {granule}")
+        if not 0 < smoothing <= 1:
+            raise ConfigError(f"rate smoothing must be in (0, 1], got {smoothing}")
+        self._members = {rank: _Member(rank, i, float(rate)) for i, (rank, rate) in enumerate(zip(ranks, rates))}
+        self._clock = clock
+        self._granule = granule
+        self._smoothing = smoothing
+        self._where = f" of site {site!r}" if site else ""
+        self._queues: dict[int, collections.deque[_Transfer]] = {rank: collections.deque() for rank in ranks}
+        self._keys: set[Hashable] = set()
+        self._current: _Transfer | None = None
+        self._last_turn = len(ranks) - 1  # the first turn goes to LocalDPRank 0
+
+    # -- what callers may read -------------------------------------------------------------
+
+    @property
+    def owner(self) -> Hashable | None:
+        """The key of the transfer owning the cell's WAN bandwidth now, or None when idle."""
+        return None if self._current is None else self._current.key
+
+    def rates(self) -> dict[int, float]:
+        """Each live member's current WAN rate estimate (bytes/s)."""
+        return {m.rank: m.rate for m in self._members.values() if m.alive}
+
+    def local_rank(self, rank: int) -> int:
+        """The LocalDPRank of member ``rank``."""
+        return self._member(rank).local_rank
+
+    def queued(self) -> int:
+        """Transfers waiting for their turn (not counting the one that owns the cell)."""
+        return sum(len(q) for q in self._queues.values())
+
+    def forecast(self) -> list[tuple[Hashable, float, float]]:
+        """Expected WAN windows ``(key, start, end)`` of the current and every queued transfer.
+
+        At the current rate estimates and assuming nothing else is queued: what a pipeline
+        consults to place its compute so its transfer finds the cell free (Atlas 4.4 step 3).
+        """
+        now = self._clock()
+        windows = []
+        if self._current is not None:
+            end = now + max((sum(s.length - s.delivered for s in m.shares) / m.rate
+                             for m in self._members.values() if m.shares), default=0.0)
+            windows.append((self._current.key, self._current.started, end))
+            now = end
+        queues = {rank: list(q) for rank, q in self._queues.items()}
+        last = self._last_turn
+        while (rank := self._next_source(queues, last)) is not None:
+            transfer = queues[rank].pop(0)
+            last = self._members[rank].local_rank
+            rates = dict(self._live_rates(transfer.source))
+            end = now + max((length / rates[r] for r, _o, length in self._split(transfer.source, 0, transfer.nbytes)),
+                            default=0.0)
+            windows.append((transfer.key, now, end))
+            now = end
+        return windows
+
+    # -- events ----------------------------------------------------------------------------
+
+    def submit(self, source: int, nbytes: int, key: Hashable) -> list[Action]:
+        """Queue ``nbytes`` for member ``source``'s pipeline under ``key`` (unique while it lives)."""
+        member = self._member(source)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ConfigError(f"transfer size must be a non-negative integer, got {nbytes!r}")
+        if key in self._keys:
+            raise ConfigError(f"transfer key {key!r} is already queued or being sent")
+        if not member.alive:
+            return [TransferFailed(key, self._lost_error(source, key))]
+        self._keys.add(key)
+        self._queues[source].append(_Transfer(key, source, nbytes))
+        return self._start_turn() if self._current is None else []
+
+    def progress(self, rank: int, nbytes: int) -> list[Action]:
+        """``nbytes`` more of member ``rank``'s shares were delivered (acknowledged by the receiver).
+
+        Reports from a member already declared lost are ignored: its remainder was re-split.
+        """
+        member = self._member(rank)
+        if not member.alive:
+            return []
+        if nbytes < 0:
+            raise ConfigError(f"delivered byte count must be >= 0, got {nbytes}")
+        pending = sum(s.length - s.delivered for s in member.shares)
+        if nbytes > pending:
+            raise ConfigError(f"rank {rank} reported {nbytes} bytes delivered but has only {pending} to send")
+        now = self._clock()
+        while nbytes:
+            share = member.shares[0]
+            step = min(nbytes, share.length - share.delivered)
+            share.delivered += step
+            nbytes -= step
+            if share.delivered == share.length:
+                self._share_done(member, now)
+        return self._finish_turn_if_done(now)
+
+    def member_lost(self, rank: int) -> list[Action]:
+        """Member ``rank`` died: fail its own transfers and re-split what it had left to send."""
+        member = self._member(rank)
+        if not member.alive:
+            return []
+        member.alive = False
+        actions: list[Action] = []
+        for transfer in self._queues[rank]:
+            self._keys.discard(transfer.key)
+            actions.append(TransferFailed(transfer.key, self._lost_error(rank, transfer.key)))
+        self._queues[rank].clear()
+        current = self._current
+        if current is None:
+            return actions
+        if current.source == rank:
+            for m in self._members.values():
+                m.shares.clear()
+            self._current = None
+            self._keys.discard(current.key)
+            actions.append(TransferFailed(current.key, self._lost_error(rank, current.key)))
+            return actions + self._start_turn()
+        undelivered = [(s.offset + s.delivered, s.length - s.delivered) for s in member.shares]
+        member.shares.clear()
+        now = self._clock()
+        for offset, length in undelivered:
+            actions += self._assign(current, self._split(current.source, offset, length), now)
+        return actions + self._finish_turn_if_done(now)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _member(self, rank: int) -> _Member:
+        try:
+            return self._members[rank]
+        except KeyError:
+            raise ConfigError(f"rank {rank} is not a member of this cell{self._where} "
+                              f"(members: {sorted(self._members)})") from None
+
+    def _lost_error(self, rank: int, key: Hashable) -> PeerLost:
+        member = self._members[rank]
+        return PeerLost(f"transfer {key!r} cannot finish: its source rank {rank} "
+                        f"(LocalDPRank {member.local_rank}{self._where}) died")
+
+    def _live_rates(self, source: int) -> list[tuple[int, float]]:
+        """Live members with the source first (its share needs no hop over the local network)."""
+        members = sorted((m for m in self._members.values() if m.alive), key=lambda m: (m.rank != source, m.local_rank))
+        return [(m.rank, m.rate) for m in members]
+
+    def _split(self, source: int, offset: int, length: int) -> list[tuple[int, int, int]]:
+        return [(rank, offset + o, n) for rank, o, n in split_by_rate(length, self._live_rates(source), self._granule)]
+
+    def _next_source(self, queues, last_turn: int) -> int | None:
+        ranks = list(self._members)
+        count = len(ranks)
+        for step in range(1, count + 1):
+            rank = ranks[(last_turn + step) % count]
+            if queues[rank]:
+                return rank
+        return None
+
+    def _start_turn(self) -> list[Action]:
+        actions: list[Action] = []
+        while self._current is None and (source := self._next_source(self._queues, self._last_turn)) is not None:
+            transfer = self._queues[source].popleft()
+            self._last_turn = self._members[source].local_rank
+            now = self._clock()
+            transfer.started = now
+            self._current = transfer
+            actions += self._assign(transfer, self._split(source, 0, transfer.nbytes), now)
+            actions += self._finish_turn_if_done(now, start_next=False)
+        return actions
+
+    def _assign(self, transfer: _Transfer, shares, now: float) -> list[Action]:
+        actions = []
+        for rank, offset, length in shares:
+            member = self._members[rank]
+            if not member.shares:
+                member.busy_since = now
+            member.shares.append(_Share(offset, length))
+            actions.append(SendShare(transfer.key, rank, offset, length))
+        return actions
+
+    def _share_done(self, member: _Member, now: float) -> None:
+        share = member.shares.popleft()
+        elapsed = now - member.busy_since
+        if elapsed > 0:
+            sample = share.length / elapsed
+            member.rate = (1 - self._smoothing) * member.rate + self._smoothing * sample
+        member.busy_since = now
+
+    def _finish_turn_if_done(self, now: float, start_next: bool = True) -> list[Action]:
+        current = self._current
+        if current is None or any(m.shares for m in self._members.values()):
+            return []
+        self._current = None
+        self._keys.discard(current.key)
+        done: list[Action] = [TransferFinished(current.key, current.nbytes, current.started, now)]
+        return done + self._start_turn() if start_next else done
+
+
+def _check_rate(rank: int, rate: float) -> None:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
+        raise ConfigError(f"WAN rate of rank {rank} must be a positive number of bytes/s, got {rate!r}")
