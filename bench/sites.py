@@ -140,9 +140,10 @@ def case_label(row: dict) -> str:
     return f"{row['op']} {row['size_mib']} MiB" if row["size_mib"] else row["op"]
 
 
-def plot(rows: list[dict], name: str) -> Path:
-    from bench.reporting import new_figure, save_figure
+def plot(run, rows: list[dict], name: str) -> Path:
+    from bench.reporting import colours, legend_outside, new_figure
 
+    palette = colours(r["mode"] for r in rows)  # one colour per mode in every panel
     rates = sorted({r["rate_mbit"] for r in rows})
     fig, axes = new_figure(1, len(rates), figsize=(6 * len(rates), 4.5), squeeze=False)
     for ax, rate in zip(axes[0], rates):
@@ -153,13 +154,13 @@ def plot(rows: list[dict], name: str) -> Path:
         for i, mode in enumerate(modes):
             seconds = {case_label(r): r["seconds"] for r in subset if r["mode"] == mode}
             ax.bar([k + i * width for k, case in enumerate(cases)], [seconds.get(case, 0.0) for case in cases],
-                   width, label=mode)
+                   width, label=mode, color=palette[mode])
         ax.set_xticks([k + width * (len(modes) - 1) / 2 for k in range(len(cases))], cases, fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("seconds (slowest rank; DDP: median per iteration)")
         ax.set_title(f"2 sites x 2 hosts, {rate:g} Mbit/s WAN egress per host")
-        ax.legend()
-    return save_figure(fig, name)
+    legend_outside(axes[0][-1])
+    return run.save_figure(fig, name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,22 +171,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--parts", nargs="+", choices=("collectives", "ddp"), default=["collectives", "ddp"])
     parser.add_argument("--ddp-iterations", type=int, default=6, help="per variant; the first two are not counted")
-    parser.add_argument("--out", default="sites")
+    parser.add_argument("--name", default="sites", help="file name of the JSON and PNG")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--mode", "--master", "--rank-out", "--address"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=PORT, help=argparse.SUPPRESS)
+    from bench.reporting import Run, add_output_options
+
+    add_output_options(parser)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
 
-    from bench.reporting import print_table, save_json
+    from bench.reporting import print_table
     from bench.wanem.sites import WanSites
 
-    load_before = os.getloadavg()
+    run = Run(args)
     rows, stats = [], {}
     for rate in args.rates:
         with WanSites(hosts=2, rtt_ms=args.rtt_ms, rate_mbit=rate) as sites:
@@ -202,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, [("rate_mbit", "Mbit/s/host", "g"), ("op", "op", "s"), ("size_mib", "MiB", "d"),
                        ("mode", "mode", "s"), ("seconds", "seconds", ".2f"), ("algbw_mbit", "algbw Mbit/s", ".0f"),
                        ("speedup_vs_flat", "x flat ring", ".2f")])
-    print(f"load before {load_before}, after {os.getloadavg()}")
-    save_json(args.out, {"rtt_ms": args.rtt_ms, "iters": args.iters, "rows": rows, "site_maps": stats,
-                         "load_before": load_before, "load_after": os.getloadavg()})
-    print(plot(rows, args.out))
+    print(f"load before {run.load_before}, after {os.getloadavg()}")
+    print("wrote", run.save_json(args.name, {"rtt_ms": args.rtt_ms, "iters": args.iters, "rows": rows,
+                                             "site_maps": stats}))
+    print("wrote", plot(run, rows, args.name))
     return 0
 
 
