@@ -130,7 +130,7 @@ def test_environment_check_names_a_missing_program():
 # Client for namespace A that keeps ONE connection open and runs commands read from stdin:
 # "rtt" (5 small round trips: the smallest) or "echo N" (N bytes out and back: the seconds it took).
 STEERED_CLIENT = r"""
-import json, os, socket, sys, time
+import json, os, socket, sys, threading, time
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 print(json.dumps({"connected": True}), flush=True)
@@ -145,9 +145,12 @@ for line in sys.stdin:
         print(json.dumps({"rtt_s": min(rtts)}), flush=True)
     else:
         data = os.urandom(int(words[1])); got = 0
-        t = time.monotonic(); c.sendall(data)
+        # send from a thread while reading the echo: with capped buffers a sendall that first
+        # waits for the whole megabyte to leave deadlocks against the server's echo
+        t = time.monotonic(); sender = threading.Thread(target=c.sendall, args=(data,)); sender.start()
         while got < len(data):
             got += len(c.recv(1 << 16))
+        sender.join()
         print(json.dumps({"echo_s": time.monotonic() - t}), flush=True)
 """
 
