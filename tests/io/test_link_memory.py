@@ -32,7 +32,7 @@ async def test_a_failed_link_and_its_staged_chunks_are_freed_without_a_gc_pass(n
     p = await open_pair(2, server_options={"limits": Limits(max_unexpected_bytes=STAGING)}, chunk_size=256 * 1024)
     tracemalloc.start()
     try:
-        payload = bytes(STAGING // 2)
+        payload = bytes(STAGING)  # beyond the eager window (half the budget): no send can complete
         sends = [asyncio.ensure_future(p.client.send(payload, tag=tag)) for tag in (1, 2)]  # nobody receives
         await _wait_for(lambda: p.accepted.reassembler.unexpected_bytes >= STAGING // 2)
         staged = tracemalloc.get_traced_memory()[0]

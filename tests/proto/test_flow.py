@@ -63,6 +63,14 @@ def test_without_credit_a_message_is_announced_and_waits_in_order():
     assert offsets(flow.on_credit(40)) == [(0, True)] and flow.held_messages == 0
 
 
+def test_message_sent_before_the_first_credit_gets_half_the_budget_as_window_when_it_comes():
+    flow = SendFlow(max_grants=8)  # the receiver's budget is not known yet
+    released, announce = flow.start(1, 0, pieces(100, 10), window=1)  # (a window from an unknown budget)
+    assert released == [] and announce
+    assert offsets(flow.on_credit(60)) == [(o, True) for o in range(0, 30, 10)]  # 30 = half the budget
+    assert offsets(flow.on_grant(1, 0, started=True)) == [(o, False) for o in range(30, 100, 10)]
+
+
 def test_grant_releases_chunks_still_waiting_for_credit_without_charging_them():
     flow = SendFlow(max_grants=8, credit=0)
     flow.start(1, 0, pieces(20, 10), window=20)

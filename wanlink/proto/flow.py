@@ -73,15 +73,16 @@ class SendFlow:
 
     def start(self, tag: int, seq: int, items: list[tuple[Any, int]], window: int) -> tuple[list, bool]:
         """A new message of ``total`` bytes in chunks ``items`` ((item, size) in offset order); returns the released
-        pairs and whether the receiver must be told the message exists (nothing of it released)."""
+        pairs and whether the receiver must be told the message exists (nothing of it released).
+
+        Before the receiver's first credit its budget, and so any window, is unknown (and nothing can
+        go eagerly yet): ``window`` is ignored and the message is split when that credit comes."""
         if self._grants and (tag, seq) in self._grants:
             self._grants.remove((tag, seq))
             return [(item, False) for item, _size in items], False
-        eager, rest, sent = collections.deque(), [], 0
-        for item, size in items:
-            (eager if sent < window or not sent else rest).append((item, size))
-            sent += size
-        held = _Held(tag, seq, sent, eager, rest)
+        held = _Held(tag, seq, sum(size for _item, size in items), collections.deque(items), [])
+        if self.budget:
+            _split(held, window)
         released = [] if self._waiting else self._spend(held)
         if held.eager:
             self._waiting.append(held)
@@ -113,7 +114,10 @@ class SendFlow:
             raise RemoteProtocolError(f"peer granted {more} bytes of credit on top of {self.credit}")
         self._granted_total = granted_total
         self.credit += more
-        self.budget = self.budget or more
+        if not self.budget:  # the first credit: size the messages started before it, as on a new link
+            self.budget = more
+            for held in self._waiting:
+                _split(held, eager_window(None, None, self.budget))
         released = []
         while self._waiting:
             held = self._waiting[0]
@@ -144,3 +148,12 @@ class SendFlow:
             released.append((item, True))
             held.begun = True
         return released
+
+
+def _split(held: _Held, window: int) -> None:
+    """Keep the first ``window`` bytes of ``held`` (at least one chunk) eager; the rest waits for the grant."""
+    items, sent = list(held.eager), 0
+    held.eager.clear()
+    for item, size in items:
+        (held.eager if sent < window or not sent else held.rest).append((item, size))
+        sent += size
