@@ -257,12 +257,18 @@ async def test_json_names_the_link_sockets_and_their_tcp_info():
 
 @pytest.mark.asyncio
 async def test_rate_format_sets_the_bitrate_unit_on_both_sides():
+    def rows_of(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("[") and " sec " in line]
+
     async with Server("-f", "t") as srv:
         rc, out, err = await client("127.0.0.1", "-p", str(srv.port), "-P", "2", "-t", "0.4", "-i", "0.2", "-f", "K")
+        async with asyncio.timeout(LIMIT):  # the server's report may come after the client has finished
+            while not rows_of(srv.out.getvalue()):
+                await asyncio.sleep(0.05)
     assert rc == 0, err
-    rows = [line for line in out.splitlines() if line.startswith("[") and " sec " in line]
+    rows = rows_of(out)
     assert rows and all("KBytes/sec" in line for line in rows)
-    server_rows = [line for line in srv.out.getvalue().splitlines() if line.startswith("[") and " sec " in line]
+    server_rows = rows_of(srv.out.getvalue())
     assert server_rows and all("Tbits/sec" in line for line in server_rows)
 
 

@@ -66,6 +66,7 @@ def test_sites_prefers_whole_near_sites_and_more_cells():
 
 
 def test_predict_table_json_and_png(files, tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the --png timeline; the torch-free CI venvs have no matplotlib
     cluster, profile = files
     png = tmp_path / "timeline.png"
     assert main(["predict", str(cluster), "--profile", str(profile), "--density", "dense,0.01", "--staleness", "0,1",
