@@ -188,20 +188,26 @@ async def test_silent_connections_are_dropped_after_auth_timeout():
         assert server.rejected_streams == 1 and len(server.handshakes) == 0
 
 
+async def _half_open_link(port: int):
+    """A socket holding one authenticated stream of a 2-stream link whose sibling never comes."""
+    loop = asyncio.get_running_loop()
+    half = await _idle_connection(port)
+    handshake = ClientHandshake(SECRET, b"h" * 16, 0, 2)
+    await loop.sock_sendall(half, handshake.hello())
+    while handshake.bytes_wanted():
+        reply = handshake.receive(await _recv_exactly(half, handshake.bytes_wanted()))
+        await loop.sock_sendall(half, reply)
+    assert handshake.accepted
+    return half
+
+
 @pytest.mark.asyncio
 async def test_connect_retries_busy_until_the_server_has_room():
     """The server's half-open link table is full (one authenticated stream of a 2-stream link
     waits for its sibling); the connect retries BUSY until that link expires."""
     async with serving(limits=Limits(max_pending_links=1), timeout=1.0) as (server, links):
-        loop = asyncio.get_running_loop()
-        half = await _idle_connection(server.port)
+        half = await _half_open_link(server.port)
         try:
-            handshake = ClientHandshake(SECRET, b"h" * 16, 0, 2)
-            await loop.sock_sendall(half, handshake.hello())
-            while handshake.bytes_wanted():
-                reply = handshake.receive(await _recv_exactly(half, handshake.bytes_wanted()))
-                await loop.sock_sendall(half, reply)
-            assert handshake.accepted
             link = await wanlink.connect("127.0.0.1", server.port, streams=1, secret=SECRET, timeout=30)
             assert server.rejected_streams >= 1  # it was refused BUSY at least once, then got in
             await link.close()
@@ -212,14 +218,8 @@ async def test_connect_retries_busy_until_the_server_has_room():
 @pytest.mark.asyncio
 async def test_connect_that_stays_busy_fails_at_its_timeout_saying_so():
     async with serving(limits=Limits(max_pending_links=1), timeout=30) as (server, _links):
-        loop = asyncio.get_running_loop()
-        half = await _idle_connection(server.port)
+        half = await _half_open_link(server.port)
         try:
-            handshake = ClientHandshake(SECRET, b"h" * 16, 0, 2)
-            await loop.sock_sendall(half, handshake.hello())
-            while handshake.bytes_wanted():
-                reply = handshake.receive(await _recv_exactly(half, handshake.bytes_wanted()))
-                await loop.sock_sendall(half, reply)
             with pytest.raises(DeadlineExceeded, match="answered BUSY"):
                 await wanlink.connect("127.0.0.1", server.port, streams=1, secret=SECRET, timeout=1.0)
         finally:
