@@ -2,8 +2,9 @@
 
 2 ranks over loopback, scikit-learn's digits (bench/convergence.py's split and model), same seeds:
 dense DDP on gloo with momentum SGD, and wanlink's block-sparse hook with density="auto",
-staleness 1 and SparseSGD, its controller fed a bandwidth schedule that moves every 60 steps
-(the compute times are measured), so the density changes many times during training.
+staleness 1 and SparseSGD, its controller fed a bandwidth schedule that moves every 60 steps and a
+simulated clock (10 ms of compute a step, whatever the machine's load), so the density changes many
+times during training and the same way on every run.
 """
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -16,6 +17,7 @@ BATCH = 32
 # its bounds at compute times from ~1 ms to ~50 ms a step
 SCHEDULE_BPS = (2e6, 2e5, 8e6, 5e5)
 STEPS_PER_RATE = 60
+SIMULATED_STEP_S = 0.01
 
 
 def _train(rank, size, auto: bool):
@@ -32,7 +34,8 @@ def _train(rank, size, auto: bool):
         state = BlockSparseState(
             density="auto", min_density=0.002, max_density=0.1, staleness=1, sparse_optimizer=True, warmup_steps=20,
             bandwidth=lambda _now: SCHEDULE_BPS[(state.iteration // STEPS_PER_RATE) % len(SCHEDULE_BPS)],
-            controller_options={"window_s": 0.2, "hold_s": 0.1})
+            controller_options={"window_s": 0.2, "hold_s": 0.1,
+                                "clock": lambda: state.iteration * SIMULATED_STEP_S})
         ddp.register_comm_hook(state, block_sparse_hook)
         optimizer = SparseSGD(ddp.parameters(), lr=0.05, momentum=0.9)
     else:
