@@ -84,3 +84,15 @@ def test_console_script_and_python_m_reach_main():
     done = subprocess.run([sys.executable, "-m", "wanlink.iperf", "-c", "h", "-u"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "UDP tests are not supported" in done.stderr
+
+
+def test_version_prints_the_bug_report_facts(capsys):
+    """``-v`` names wanlink's one version and carries ``python -m wanlink info``'s report."""
+    import wanlink
+
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--version"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert out.startswith(f"wanlink-iperf {wanlink.__version__} (iperf3 protocol)\n")
+    assert "kernels:" in out and "kernel TCP:" in out and "event loop:" in out

@@ -35,6 +35,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _VersionReport(argparse.Action):
+    """``-v/--version``: the program's version, then ``python -m wanlink info``'s report, for bug reports."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from wanlink.about import report
+        print(f"{VERSION}\n{report()}", flush=True)
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="iperf3's command line and wire protocol, with "
                                 "wanlink Links as the data path.",
@@ -70,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-u", "--udp", action="store_true", help="refused: wanlink-iperf runs TCP tests only")
     p.add_argument("-b", "--bitrate", metavar="RATE", default=None,
                    help="refused unless 0: wanlink-iperf does not pace (iperf3's TCP default, unlimited)")
-    p.add_argument("-v", "--version", action="version", version=VERSION)
+    p.add_argument("-v", "--version", action=_VersionReport, help="version, kernels, event loop and TCP facts")
     return p
 
 

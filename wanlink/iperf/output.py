@@ -5,10 +5,11 @@ import json
 import logging
 import sys
 
+import wanlink
 from wanlink.errors import WanlinkError
 
 PROG = "wanlink-iperf"
-VERSION = "wanlink-iperf 0.1.0 (iperf3 protocol)"
+VERSION = f"wanlink-iperf {wanlink.__version__} (iperf3 protocol)"
 
 
 class CliError(WanlinkError, RuntimeError):
