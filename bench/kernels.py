@@ -197,11 +197,11 @@ def check_targets(rows: list[dict], threads: int, fastest: bool = False) -> dict
     return checks
 
 
-ROLES = ("wanlink", "wanlink, cache-cold", "floor (no sparsifier beats it)", "torch", "torch, other form",
-         "torch, cache-cold")
+ROLES = ("wanlink", "wanlink, cache-cold", "floor: memory scan", "torch", "torch, other form",
+         "torch, cache-cold", "floor: error feedback")
 PANELS = (  # one question per panel: (title, [(label, result key, role)])
     ("sparsify with error feedback", [
-        ("memory scan", "scan_s", ROLES[2]), ("EF floor: residual.add_(g)", "ef_floor_s", ROLES[2]),
+        ("memory scan", "scan_s", ROLES[2]), ("EF floor: residual.add_(g)", "ef_floor_s", ROLES[6]),
         ("wanlink sparsify+EF", "sparsify_ef_s", ROLES[0]), ("torch.topk", "topk_s", ROLES[3]),
         ("torch threshold+nonzero", "threshold_nonzero_s", ROLES[4])]),
     ("decode + scatter-add, one peer", [
@@ -220,7 +220,7 @@ PANELS = (  # one question per panel: (title, [(label, result key, role)])
 
 def plot(run: Run, rows: list[dict]) -> Path:
     """One panel per question, one colour per role (wanlink, floors, torch) in every panel."""
-    fig, axes = new_figure(len(PANELS), 1, figsize=(9, 3.6 * len(PANELS)))
+    fig, axes = new_figure(len(PANELS), 1, figsize=(9, 3.6 * len(PANELS)), layout="constrained")
     labels = [f"{r['numel'] / 1e6:g}M, {r['density'] * 100:g}%" for r in rows]
     palette = colours(ROLES)
     for axis, (title, series) in zip(axes, PANELS):
