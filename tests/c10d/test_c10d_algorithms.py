@@ -239,3 +239,35 @@ def test_sparse_allreduce_sums_every_members_nonzeros(size, shape, sparse_dim, d
         assert result.is_coalesced() and result.sparse_dim() == sparse_dim
         assert torch.equal(result.to_dense(), expected)
         assert torch.equal(result.indices(), results[0].indices()) and torch.equal(result.values(), results[0].values())
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("sets", [1, 2, 5])
+def test_ring_reduce_scatter_receive_buffers_are_bounded_and_recycled(monkeypatch, size, sets):
+    """Whatever the tensor's size, a ring holds at most RECEIVE_BUFFER_BYTES of receive buffers
+    (at least one set), reused from piece to piece in piece order, without deadlock."""
+    numel, piece_bytes = 4099, 64  # 16 elements a piece: dozens of pieces per segment
+    block = -(-numel // size)  # the largest segment (both collectives)
+    largest_piece = piece_bounds(block, piece_count(block, 4, piece_bytes))[0][1]
+    set_bytes = largest_piece * 4 * min(ring.ROTATING_BUFFERS, size - 1)
+    monkeypatch.setattr(ring, "RECEIVE_BUFFER_BYTES", sets * set_bytes)
+    allocated = {}
+
+    async def member(comm):
+        empty = comm.empty
+
+        def counted(count, dtype):
+            allocated[comm.rank] = allocated.get(comm.rank, 0) + count * 4
+            return empty(count, dtype)
+        comm.empty = counted
+        tensor = data(comm.rank, numel)
+        await ring.allreduce(comm, tensor, reducer_for("sum", torch.float32, "t"))
+        out = torch.empty(block)
+        blocks = list(torch.cat([tensor, torch.zeros(size * block - numel)]).chunk(size))
+        await ring.reduce_scatter_into(comm, blocks, out, reducer_for("max", torch.float32, "t"))
+        return tensor, out
+    expected = reference("sum", [data(rank, numel) for rank in range(size)])
+    for rank, (tensor, out) in enumerate(run_members(size, member, piece_bytes=piece_bytes)):
+        assert torch.equal(tensor, expected)
+        assert torch.equal(out, torch.cat([expected, torch.zeros(size * block - numel)]).chunk(size)[rank])
+    assert all(nbytes <= 2 * sets * set_bytes for nbytes in allocated.values()), (allocated, set_bytes)  # 2 collectives

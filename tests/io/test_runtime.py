@@ -1,6 +1,8 @@
 """The process's event-loop thread: futures for synchronous callers, clean shutdown, no leaks."""
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -85,3 +87,27 @@ def test_public_api_is_importable_lazily():
     assert callable(wanlink.connect) and callable(wanlink.serve) and callable(wanlink.stats)
     with pytest.raises(AttributeError):
         _ = wanlink.not_a_thing
+
+
+_EXIT_PROGRAM = """
+import asyncio, atexit, threading, time
+from wanlink.io.runtime import get_runtime
+
+def late_worker():  # a non-daemon thread still using the runtime after the main thread ended
+    time.sleep(0.5)
+    print("worker", get_runtime().run(asyncio.sleep(0, result=7), timeout=10), flush=True)
+
+get_runtime()
+threading.Thread(target=late_worker).start()
+# registered after wanlink, as torch's handlers are: atexit runs it before wanlink's own handlers
+atexit.register(lambda: print("loop thread alive at atexit:",
+                              any(t.name == "wanlink-io" for t in threading.enumerate()), flush=True))
+"""
+
+
+def test_loop_thread_is_stopped_before_atexit_handlers_and_after_non_daemon_threads():
+    """The runtime stops after the application's threads end but before any atexit handler runs, so
+    the daemon loop thread is never inside a (torch) op while the interpreter finalizes."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_PROGRAM], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["worker 7", "loop thread alive at atexit: False"], done.stdout

@@ -103,4 +103,17 @@ def shutdown_runtime() -> None:
         runtime.close()
 
 
-atexit.register(shutdown_runtime)
+def _shutdown_at_exit() -> None:
+    """Stop the runtime once the main thread ended and every other non-daemon thread (which may still
+    use it) finished, before the interpreter finalizes."""
+    for thread in threading.enumerate():
+        if not thread.daemon and thread is not threading.current_thread():
+            thread.join()
+    shutdown_runtime()
+
+
+# A threading exit hook, not a plain atexit handler: threading's hooks run when the main thread ends,
+# before every atexit handler (torch's among them, which may tear down what a reduction on the loop
+# thread uses). A daemon loop thread still inside a torch op when finalization starts is killed as
+# it retakes the GIL, and the process aborts (SIGABRT) instead of exiting.
+getattr(threading, "_register_atexit", atexit.register)(_shutdown_at_exit)
