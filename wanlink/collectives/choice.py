@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from wanlink.collectives import direct, hierarchical, ring
-from wanlink.collectives.base import Comm, Reducer
+from wanlink.collectives.base import Comm, Reducer, piece_count
 from wanlink.collectives.reduce_ops import finish_average
 from wanlink.sched.sites import SiteMap
 
@@ -77,9 +77,15 @@ class AlgorithmChoice:
             finish_average(buffer, comm.size)
 
     async def broadcast(self, comm: Comm, buffer: torch.Tensor, root: int) -> None:
+        """Direct when small; else site-aware where that pays; else the pipelined chain, but only
+        where it pipelines: a buffer of one piece would cross the chain's n-1 hops one after the
+        other, (n-1) times the transfer plus n-1 latencies, where the root sending every member
+        its copy at once costs the same bytes on its uplink and one latency."""
         if self.is_small(_nbytes(buffer)):
             await direct.broadcast(comm, buffer, root)
         elif self.sites is not None:
             await hierarchical.broadcast(comm, self.sites, buffer, root)
+        elif piece_count(buffer.numel(), buffer.element_size(), comm.piece_bytes) == 1:
+            await direct.broadcast(comm, buffer, root)
         else:
             await ring.broadcast(comm, buffer, root)
