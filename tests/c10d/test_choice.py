@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tests.support.memory_comm import data, run_members
+from tests.support.memory_comm import data, reference, run_members
+from wanlink.collectives.reduce_ops import reducer_for
 from wanlink.collectives.choice import AlgorithmChoice
 
 PIECE_BYTES = 64  # run_members' pipelining unit: 16 float32 elements a piece
@@ -26,3 +27,27 @@ def test_broadcast_chains_only_a_buffer_that_pipelines(numel, pieces):
         assert sent[root] == (size - 1) * nbytes and sum(sent.values()) == sent[root]
     else:  # the chain: every member but the last forwards the buffer once (plus one-byte READY words)
         assert sent[root] == nbytes and sum(sent.values()) == (size - 1) * nbytes + (size - 1)
+
+
+@pytest.mark.parametrize("size,numel,rounds", [(4, 64, 4), (4, 256, 6), (3, 48, 4)])
+def test_all_reduce_halves_where_the_ring_would_not_pipeline(size, numel, rounds):
+    """Messages a member sends: halving 2 log2(n) where segments are one piece (4 x 16 floats);
+    the ring 2(n-1) per piece otherwise (segments of 4 pieces: more, and a group of 3 cannot halve)."""
+    choice = AlgorithmChoice(direct_max_bytes=0)
+    messages = {}
+
+    async def member(comm):
+        tensor = data(comm.rank, numel)
+        send = comm.send
+
+        async def counted(*args):
+            messages[comm.rank] = messages.get(comm.rank, 0) + 1
+            await send(*args)
+        comm.send = counted
+        await choice.allreduce(comm, tensor, reducer_for("sum", tensor.dtype, "t"), "sum")
+        return tensor
+
+    expected = reference("sum", [data(rank, numel) for rank in range(size)])
+    assert all(torch.equal(result, expected) for result in run_members(size, member, PIECE_BYTES))
+    pieces = -(-numel * 4 // size // PIECE_BYTES)
+    assert set(messages.values()) == {rounds if pieces == 1 else rounds * pieces}
