@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.support.memory_comm import data, reference, run_members
-from wanlink.collectives import direct, ring
+from wanlink.collectives import direct, halving, ring
 from wanlink.collectives.base import piece_bounds, piece_count
 from wanlink.collectives.reduce_ops import reducer_for
 
@@ -271,3 +271,24 @@ def test_ring_reduce_scatter_receive_buffers_are_bounded_and_recycled(monkeypatc
         assert torch.equal(tensor, expected)
         assert torch.equal(out, torch.cat([expected, torch.zeros(size * block - numel)]).chunk(size)[rank])
     assert all(nbytes <= 2 * sets * set_bytes for nbytes in allocated.values()), (allocated, set_bytes)  # 2 collectives
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("numel", [0, 1, 7, 1000, 4099])
+@pytest.mark.parametrize("op,dtype", [("sum", torch.float32), ("max", torch.int32), ("bxor", torch.int8)])
+def test_halving_allreduce_matches_the_reference_and_sends_what_the_ring_sends(size, numel, op, dtype):
+    sent = {}
+
+    async def member(comm):
+        tensor = data(comm.rank, numel, dtype)
+        await halving.allreduce(comm, tensor, reducer_for(op, dtype, "t"))
+        sent[comm.rank] = comm.sent_bytes
+        return tensor
+    expected = reference(op, [data(rank, numel, dtype) for rank in range(size)])
+    assert all(torch.equal(result, expected) for result in run_members(size, member))
+    if numel % size == 0:
+        assert all(count == 2 * (size - 1) * numel * expected.element_size() // size for count in sent.values())
+
+
+def test_halving_is_for_powers_of_two():
+    assert [n for n in range(1, 17) if halving.usable(n)] == [2, 4, 8, 16]

@@ -99,6 +99,15 @@ def _(rank, size, gloo):
     expect_equal(tensor, torch.tensor(float(size * (size + 1) // 2)), "0-dim all_reduce")
 
 
+@case("future-asked-after-wait")
+def future_after_wait_case(rank, size, gloo):
+    tensor = torch.full((5,), float(rank))
+    work = dist.all_reduce(tensor, async_op=True)
+    work.wait()  # finished before anyone asked for its future: get_future() completes it at once
+    total = work.get_future().then(lambda future: future.value()[0].sum().item())
+    assert total.wait() == 5 * sum(range(size)), "the future asked for late has no value"
+
+
 @case("all_reduce-coalesced")
 def _(rank, size, gloo):
     tensors = [make(rank, (5,), torch.float32), make(rank + 9, (2, 3), torch.float32)]

@@ -588,3 +588,26 @@ async def test_errors_name_the_rank_the_layers_above_labelled(pair):
     await pair.accepted.close()
     with pytest.raises(PeerLost, match=r"link to rank 2 at 10\.0\.0\.9:29500 \(127\.0\.0\.1:\d+\) failed"):
         await asyncio.wait_for(pair.client.recv_into(bytearray(4), tag=9), 30)
+
+
+async def test_a_send_until_written_returns_before_its_ack_and_a_cut_still_delivers_the_original_bytes():
+    async with proxied_pair(2) as (proxy, client, accepted):
+        proxy.stall()  # what the streams write stays in the proxy: no ack can come back
+        data = bytearray(pattern(64 * 1024, 5))
+        original = bytes(data)
+        await asyncio.wait_for(client.send(data, tag=1, until="written"), 10)  # in the kernel: done
+        carrier = next(i for i, n in enumerate(client.stats()["chunks_sent_per_stream"]) if n)
+        waiting = asyncio.ensure_future(client.send(b"acked", tag=2))  # the default waits for the ack
+        data[:] = bytes(len(data))  # the caller reuses its buffer at once
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        port = client.stream_sockets()[carrier].getsockname()[1]
+        pipe = next(i for i, p in enumerate(proxy.pipes) if p.writers[0].get_extra_info("peername")[1] == port)
+        proxy.cut(pipe)  # what the proxy holds of tag 1 is lost: the link re-sends its own copy
+        proxy.resume()
+        out, token = bytearray(len(data)), bytearray(5)
+        await asyncio.wait_for(asyncio.gather(accepted.recv_into(out, tag=1), accepted.recv_into(token, tag=2),
+                                              waiting), 30)
+        assert out == original and token == b"acked" and client.stats()["requeued_chunks"] >= 1
+        with pytest.raises(ConfigError, match="until"):
+            await client.send(b"x", tag=3, until="soon")

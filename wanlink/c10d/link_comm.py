@@ -59,7 +59,7 @@ class LinkComm(Comm):
         self._waiting: dict[int, int] = {}  # peer -> this comm's unfinished sends and receives with it
 
     def waiting_for(self) -> list[int]:
-        """The peers this collective still waits on: unacknowledged sends, receives not yet complete."""
+        """The peers this collective still waits on: sends not yet written, receives not yet complete."""
         return [peer for peer, count in self._waiting.items() if count]
 
     @contextlib.contextmanager
@@ -81,7 +81,7 @@ class LinkComm(Comm):
             return
         with self._exchanging((peer,)):
             link = await self._link(peer)
-            await link.send(as_buffer(tensor), tag=self._base_tag | piece, deadline=self._deadline)
+            await link.send(as_buffer(tensor), tag=self._base_tag | piece, deadline=self._deadline, until="written")
 
     async def recv(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> None:
         if tensor.numel() == 0:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 from datetime import timedelta
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Coroutine, Sequence
 
 import torch
 from torch._C._distributed_c10d import ProcessGroup
@@ -87,14 +87,18 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
             return timeout.total_seconds()
         return self.default_timeout.total_seconds()
 
-    def _launch(self, op: str, label: str, body: Awaitable, outputs: list, seconds: float,
+    def _launch(self, op: str, label: str, body: Coroutine, outputs: list, seconds: float,
                 comms: Sequence[LinkComm], reports_source: bool = False) -> WanlinkWork:
         """Submit ``body`` to the I/O loop under a ``seconds`` timeout; its errors name the op and group."""
         where = f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
 
         async def guarded():
             try:
-                return await asyncio.wait_for(body, seconds)
+                if seconds <= 0:  # expired before it began: nothing is sent
+                    body.close()
+                    raise asyncio.TimeoutError
+                async with asyncio.timeout(seconds):  # (wait_for would run the body as one more task)
+                    return await body
             except asyncio.TimeoutError as error:
                 if isinstance(error, DeadlineExceeded):  # from inside the algorithm: it says whom it missed
                     raise DeadlineExceeded(f"{where}: {error}") from None

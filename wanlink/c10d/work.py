@@ -28,14 +28,16 @@ class WanlinkWork(Work):
         self._outputs = outputs
         self._reports_source = reports_source
         self._source = -1
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._future: torch.futures.Future | None = None  # made by the first get_future()
+        self._future_lock = threading.Lock()
         self._finished = threading.Event()
         self._error: BaseException | None = None
         submitted.add_done_callback(self._on_done)
 
     def _on_done(self, submitted: concurrent.futures.Future) -> None:
-        """On the I/O thread: record the outcome and release ``wait()`` at once; the torch future
-        (whose ``then`` callbacks run inline) is completed on the completion thread."""
+        """On the I/O thread: record the outcome and release ``wait()`` at once; the torch future,
+        if anyone asked for it (its ``then`` callbacks run inline), is completed on the completion
+        thread. A plain ``wait()`` wakes no third thread to compete with it for the GIL."""
         try:
             result = submitted.result()
             if self._reports_source:
@@ -44,14 +46,17 @@ class WanlinkWork(Work):
             if isinstance(error, concurrent.futures.CancelledError):
                 error = RuntimeError(f"{self.label} was cancelled")
             self._error = error
-        self._finished.set()
-        _completions.submit(self._complete_future)
+        with self._future_lock:
+            self._finished.set()
+            wanted = self._future is not None
+        if wanted:
+            _completions.submit(self._complete_future, self._future)
 
-    def _complete_future(self) -> None:
+    def _complete_future(self, future: torch.futures.Future) -> None:
         if self._error is not None:
-            self._future.set_exception(self._error)
+            future.set_exception(self._error)
         else:
-            self._future.set_result(self._outputs)
+            future.set_result(self._outputs)
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until done; re-raise the collective's error; DeadlineExceeded after ``timeout``.
@@ -68,7 +73,14 @@ class WanlinkWork(Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        with self._future_lock:
+            if self._future is not None:
+                return self._future
+            self._future = future = torch.futures.Future()
+            finished = self._finished.is_set()
+        if finished:  # nothing can have a callback on it yet: complete it here
+            self._complete_future(future)
+        return future
 
     def is_completed(self) -> bool:
         return self._finished.is_set()

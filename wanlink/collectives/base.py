@@ -62,9 +62,11 @@ def split(tensor: torch.Tensor, pieces: int) -> list[torch.Tensor]:
 
 async def gather_all(awaitables: Sequence[Awaitable]) -> None:
     """Await all; on the first failure cancel the rest and re-raise it (no orphaned tasks)."""
-    tasks = [asyncio.ensure_future(item) for item in awaitables]
-    if not tasks:
+    if len(awaitables) <= 1:  # nothing to run beside it: no task (each costs a loop iteration)
+        for item in awaitables:
+            await item
         return
+    tasks = [asyncio.ensure_future(item) for item in awaitables]
     try:
         await asyncio.gather(*tasks)
     except BaseException:

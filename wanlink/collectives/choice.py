@@ -1,7 +1,8 @@
 """Which algorithm a collective runs: direct exchange (one round) when every member's share is at
 most ``direct_max_bytes``; above it, the site-aware algorithms (collectives/hierarchical.py) when the
-group spans sites where they pay off, else pipelined rings and chains. AVG is a SUM finished by a
-division."""
+group spans sites where they pay off, else pipelined rings and chains where they pipeline (more
+than one piece), and direct broadcast or halving all-reduce where they would not. AVG is a SUM
+finished by a division."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,8 @@ from typing import Sequence
 
 import torch
 
-from wanlink.collectives import direct, hierarchical, ring
-from wanlink.collectives.base import Comm, Reducer
+from wanlink.collectives import direct, halving, hierarchical, ring
+from wanlink.collectives.base import Comm, Reducer, piece_count
 from wanlink.collectives.reduce_ops import finish_average
 from wanlink.sched.sites import SiteMap
 
@@ -39,10 +40,16 @@ class AlgorithmChoice:
         return nbytes <= self.direct_max_bytes
 
     async def allreduce(self, comm: Comm, buffer: torch.Tensor, reducer: Reducer, name: str) -> None:
+        """Direct when small; site-aware where that pays; else the pipelined ring, but where its
+        segments are one piece each (no pipelining) and the group is a power of two > 2, recursive
+        halving and doubling: the ring's bytes in 2 log2(n) steps instead of 2(n-1)."""
         if self.is_small(_nbytes(buffer)):
             await direct.allreduce(comm, buffer, reducer)
         elif self.sites is not None:
             await hierarchical.allreduce(comm, self.sites, buffer, reducer)
+        elif comm.size > 2 and halving.usable(comm.size) and \
+                piece_count(-(-buffer.numel() // comm.size), buffer.element_size(), comm.piece_bytes) == 1:
+            await halving.allreduce(comm, buffer, reducer)
         else:
             await ring.allreduce(comm, buffer, reducer)
         if name == "avg":
@@ -77,9 +84,15 @@ class AlgorithmChoice:
             finish_average(buffer, comm.size)
 
     async def broadcast(self, comm: Comm, buffer: torch.Tensor, root: int) -> None:
+        """Direct when small; else site-aware where that pays; else the pipelined chain, but only
+        where it pipelines: a buffer of one piece would cross the chain's n-1 hops one after the
+        other, (n-1) times the transfer plus n-1 latencies, where the root sending every member
+        its copy at once costs the same bytes on its uplink and one latency."""
         if self.is_small(_nbytes(buffer)):
             await direct.broadcast(comm, buffer, root)
         elif self.sites is not None:
             await hierarchical.broadcast(comm, self.sites, buffer, root)
+        elif piece_count(buffer.numel(), buffer.element_size(), comm.piece_bytes) == 1:
+            await direct.broadcast(comm, buffer, root)
         else:
             await ring.broadcast(comm, buffer, root)

@@ -28,6 +28,10 @@ LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
 There the per-chunk CPU (frames, acks, wakeups) is what limits collectives; elsewhere the probe
 picks one by rate and RTT (smaller chunks pre-empt and re-send at a finer grain)."""
 RATE_WINDOW_S = 2.0
+COPY_TO_SETTLE_BYTES = 1024 * 1024
+"""A send with ``until="written"`` returns once all of it is in the kernel and at most this many of
+its bytes are unacknowledged: those are copied (about 0.1 ms for 1 MiB) so that a stream dying later
+can still re-send them. Copying more would cost more than the ack it saves on fast paths."""
 ABORT_GRACE_S = 1.0  # how long a failing link tries to deliver its ABORT before closing
 _INT64 = (-(2**63), 2**63 - 1)
 _LINK_FAILED = object()  # queued to wake control readers when the link fails
@@ -166,12 +170,17 @@ class Link:
         return self._closing or self.error is not None
 
     # -- messages -------------------------------------------------------------------------------
-    async def send(self, buffer, *, tag: int, deadline=0) -> None:
-        """Send ``buffer`` as one message on ``tag``; returns once the peer acknowledged every byte.
+    async def send(self, buffer, *, tag: int, deadline=0, until: str = "acked") -> None:
+        """Send ``buffer`` as one message on ``tag``; returns once the peer acknowledged every byte,
+        or with ``until="written"`` once every byte is in the kernel's socket buffers and the link
+        holds a copy of the unacknowledged ones (at most ``COPY_TO_SETTLE_BYTES``; more waits for acks).
+        "written" saves the ack's round trip; a peer failing after it returns fails the next operation.
 
         The buffer is not copied: keep it unchanged until this returns. Cancelling the caller does
         not withdraw the message (it is already promised to the peer); it still goes out.
         """
+        if until not in ("acked", "written"):
+            raise ConfigError(f"send until must be 'acked' or 'written', got {until!r}")
         view = byte_view(buffer)
         _check_tag(tag, allow_discard=True)
         self._raise_if_failed(f"send on tag {tag}: 0 of {len(view)} bytes acknowledged")
@@ -179,6 +188,7 @@ class Link:
         seq = self._next_send_seq.get(tag, 0)
         self._next_send_seq[tag] = seq + 1
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
+        transfer.settle_written = until == "written"
         done = self.loop.create_future()
         self._outgoing[(tag, seq)] = (transfer, done)
         if tag == PROBE_DISCARD_TAG:  # dropped by the peer: no flow control
@@ -273,6 +283,22 @@ class Link:
         else:
             waiter.set_result(entry.total)
 
+    def chunk_written(self, chunk) -> None:
+        """A stream put all of ``chunk`` into its kernel buffer (or found it acknowledged already)."""
+        transfer = chunk.transfer
+        transfer.written(chunk)
+        if transfer.settle_written and not transfer.unwritten:
+            self._settle_written(transfer)
+
+    def _settle_written(self, transfer: OutgoingTransfer) -> None:
+        """Finish an ``until="written"`` send whose bytes are all in the kernel, once copying its
+        unacknowledged ones is cheap (see ``COPY_TO_SETTLE_BYTES``)."""
+        pending = self._outgoing.get((transfer.tag, transfer.seq))
+        if pending is None or pending[1].done() or transfer.total - transfer.acked_bytes > COPY_TO_SETTLE_BYTES:
+            return
+        transfer.keep_unacked()
+        pending[1].set_result(None)
+
     def ack_received(self, stream: Stream, header: Header) -> None:
         key = (header.tag, header.seq)
         pending = self._outgoing.get(key)
@@ -292,6 +318,8 @@ class Link:
                     self.delivery.on_idle(now)
                 if not done.done():
                     done.set_result(None)
+            elif transfer.settle_written and not transfer.unwritten:
+                self._settle_written(transfer)
         else:
             self.duplicate_acks += 1
 
@@ -370,6 +398,7 @@ class Link:
         the flow frames it may have lost; returns how many chunks."""
         unacked = stream.take_unacked()
         for chunk in unacked:
+            chunk.transfer.requeued(chunk)
             self.queue.push(chunk)
         self.requeued_chunks += len(unacked)
         self._repeat_flow_frames()

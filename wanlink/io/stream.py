@@ -161,6 +161,8 @@ class Stream:
             if chunk is not None:
                 if not chunk.acked:
                     await self._send_chunk(chunk)
+                if self.link is not None:
+                    self.link.chunk_written(chunk)
                 continue
             self.wake.clear()
             await self.wake.wait()

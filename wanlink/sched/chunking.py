@@ -32,6 +32,7 @@ class Chunk:
     acked: bool = False
     order: tuple | None = None  # EDF position, fixed when first queued
     eager: bool = False  # sent on the link's eager credit (flow control), before the peer granted it
+    written: bool = False  # all of it is in a stream's kernel buffer (not re-queued since)
 
     @property
     def tag(self) -> int:
@@ -59,6 +60,30 @@ class OutgoingTransfer:
         self._by_offset = {chunk.offset: chunk for chunk in self.chunks}
         self.acked_bytes = 0
         self.unacked = len(self.chunks)
+        self.unwritten = len(self.chunks)  # chunks waiting for flow control, queued or being written
+        self.settle_written = False  # the sender is released once every chunk is written (Link.send)
+
+    def written(self, chunk: Chunk) -> None:
+        """``chunk`` went into a stream's kernel buffer in full."""
+        if not chunk.written:
+            chunk.written = True
+            self.unwritten -= 1
+
+    def requeued(self, chunk: Chunk) -> None:
+        """``chunk`` must be written again (its stream died before the peer acknowledged it)."""
+        if chunk.written:
+            chunk.written = False
+            self.unwritten += 1
+
+    def keep_unacked(self) -> int:
+        """Give every unacknowledged chunk a private copy of its bytes, so the sender's buffer is free
+        while re-sends stay possible; returns the bytes copied."""
+        copied = 0
+        for chunk in self.chunks:
+            if not chunk.acked:
+                chunk.view = memoryview(bytes(chunk.view))
+                copied += len(chunk.view)
+        return copied
 
     @property
     def complete(self) -> bool:

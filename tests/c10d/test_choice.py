@@ -1,0 +1,53 @@
+"""Which algorithm AlgorithmChoice runs, seen from the bytes each member sends (in-memory Comm)."""
+import pytest
+import torch
+
+from tests.support.memory_comm import data, reference, run_members
+from wanlink.collectives.reduce_ops import reducer_for
+from wanlink.collectives.choice import AlgorithmChoice
+
+PIECE_BYTES = 64  # run_members' pipelining unit: 16 float32 elements a piece
+
+
+@pytest.mark.parametrize("numel,pieces", [(16, 1), (64, 4)])
+def test_broadcast_chains_only_a_buffer_that_pipelines(numel, pieces):
+    size, root = 4, 1
+    choice = AlgorithmChoice(direct_max_bytes=0)  # a flat group; nothing counts as small
+    sent = {}
+
+    async def member(comm):
+        tensor = data(root, numel) if comm.rank == root else torch.zeros(numel)
+        await choice.broadcast(comm, tensor, root)
+        sent[comm.rank] = comm.sent_bytes
+        return tensor
+
+    assert all(torch.equal(result, data(root, numel)) for result in run_members(size, member, PIECE_BYTES))
+    nbytes = numel * 4
+    if pieces == 1:  # direct: the root sends every member its copy, nobody forwards
+        assert sent[root] == (size - 1) * nbytes and sum(sent.values()) == sent[root]
+    else:  # the chain: every member but the last forwards the buffer once (plus one-byte READY words)
+        assert sent[root] == nbytes and sum(sent.values()) == (size - 1) * nbytes + (size - 1)
+
+
+@pytest.mark.parametrize("size,numel,rounds", [(4, 64, 4), (4, 256, 6), (3, 48, 4)])
+def test_all_reduce_halves_where_the_ring_would_not_pipeline(size, numel, rounds):
+    """Messages a member sends: halving 2 log2(n) where segments are one piece (4 x 16 floats);
+    the ring 2(n-1) per piece otherwise (segments of 4 pieces: more, and a group of 3 cannot halve)."""
+    choice = AlgorithmChoice(direct_max_bytes=0)
+    messages = {}
+
+    async def member(comm):
+        tensor = data(comm.rank, numel)
+        send = comm.send
+
+        async def counted(*args):
+            messages[comm.rank] = messages.get(comm.rank, 0) + 1
+            await send(*args)
+        comm.send = counted
+        await choice.allreduce(comm, tensor, reducer_for("sum", tensor.dtype, "t"), "sum")
+        return tensor
+
+    expected = reference("sum", [data(rank, numel) for rank in range(size)])
+    assert all(torch.equal(result, expected) for result in run_members(size, member, PIECE_BYTES))
+    pieces = -(-numel * 4 // size // PIECE_BYTES)
+    assert set(messages.values()) == {rounds if pieces == 1 else rounds * pieces}
