@@ -132,7 +132,7 @@ def pipeline(rank: int, size: int) -> list | None:
     group = dist.new_group([0, 2])
     if rank not in (0, 2):
         dist.barrier()
-        return None
+        return [None, service().relayed_bytes]
     torch.manual_seed(0)
     layers = [torch.nn.Linear(1024, 1024) for _ in range(2)]
     reference = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(2)])
@@ -149,14 +149,14 @@ def pipeline(rank: int, size: int) -> list | None:
         schedule.step(target=targets, losses=[])
     torch.nn.functional.mse_loss(reference(inputs), targets).backward()  # the same, in one process
     dist.barrier()
-    grad, expected = layers[stage_index].weight.grad, reference[stage_index].weight.grad / 4
-    return [bool(torch.allclose(grad, expected, rtol=1e-4, atol=1e-6)), service().relayed_bytes]
+    grad, expected = layers[stage_index].weight.grad, reference[stage_index].weight.grad
+    return [float((grad - expected).abs().max() / expected.abs().max()), service().relayed_bytes]
 
 
 def test_pipelining_schedules_run_unchanged_over_striped_sends():
     results = run_world(4, pipeline, env=ENV, rank_env=[{"WANLINK_SITE": s} for s in "aabb"], timeout=180)
-    assert results[0][0] and results[2][0], results
-    assert results[0][1] + results[2][1] == 0  # the ends relay nothing; their site-mates carried shares
+    assert results[0][0] < 1e-4 and results[2][0] < 1e-4, results  # the gradients of the unsplit model
+    assert results[0][1] + results[2][1] == 0 and results[1][1] > 0 and results[3][1] > 0, results  # site-mates relayed
 
 
 def dead_relay(rank: int, size: int) -> object:
