@@ -10,12 +10,19 @@ and 3. Every host's WAN egress is capped on its own (``--rates``, Mbit/s per hos
 - ``flat ring``: ``WANLINK_SITE`` is the same on every rank (one site), so wanlink runs its ring;
 - ``gloo``: a gloo group of the same processes as the flat ring.
 
+Part ``p2p`` (cell-striped point-to-point, docs/sites.md), between ``striped`` (site-aware,
+sends of 16 MiB and more striped over the cell) and ``direct`` (site-aware, ``WANLINK_STRIPE_MIN_BYTES=0``):
+(b) ``--send-mib`` from a0 to b0 alone; (c) two pipelines at once, a0 -> b0 and a1 -> b1, of
+``--pipeline-mib`` each (striped: they take turns over the cell; direct: each over its own host's
+link, fair sharing). Seconds from a common barrier to each receive's completion. Every rank
+samples its WAN egress (bytes sent on links to the other site) every 50 ms for the PNG's timeline.
+
 Part ``collectives``: all_reduce of ``--sizes-mib`` (per-rank buffer): the slowest rank's mean
 seconds, algbw and the ratio to the flat ring. Part ``ddp``: DDP iterations of the ~25M-parameter
 MLP of bench/e2e_training.py across the 4 ranks, dense and block-sparse (1 %), median seconds per
 iteration after the first two (site-aware and flat ring; no gloo). Needs root (namespaces).
 
-    sudo python3 -m bench.sites [--parts collectives ddp] [--rates 250 500] [--sizes-mib 64 256] [--iters 2]
+    sudo python3 -m bench.sites [--parts collectives ddp p2p] [--rates 250 500] [--sizes-mib 64 256] [--iters 2]
         [--name sites] [--out DIR | --publish]
 
 Writes <name>.{json,png} to --out (bench/results/ with --publish).
@@ -38,6 +45,81 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 HOSTS = ("a0", "a1", "b0", "b1")
 MODES = {"site-aware": lambda host: host[0], "flat ring": lambda host: "one-site"}
+P2P_MODES = {"striped": {}, "direct": {"WANLINK_STRIPE_MIN_BYTES": "0"}}  # both site-aware
+SAMPLE_S = 0.05
+
+
+class EgressSampler:
+    """Samples this rank's WAN egress (bytes sent on links to another site) every SAMPLE_S seconds."""
+
+    def __init__(self):
+        import threading
+
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def wan_bytes() -> int:
+        import wanlink
+
+        return sum(link["bytes_sent"] for link in wanlink.stats().values()
+                   if link.get("peer_site") not in (None, link.get("site")))
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.samples.append((time.time(), self.wan_bytes()))
+
+    def stop(self) -> list[tuple[float, int]]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
+    """Send ``nbytes`` along every (source, destination) pair at once; seconds from a common barrier
+    to each receive's completion, and the wall-clock window, as every rank reports them."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.full((nbytes // 4,), float(rank))
+    dist.barrier()
+    started, wall = time.perf_counter(), time.time()
+    works = [(dist.isend(tensor, dst) if rank == src else dist.irecv(tensor, src), src, dst)
+             for src, dst in pairs if rank in (src, dst)]
+    done = {}
+    for work, src, dst in works:
+        work.wait()
+        if rank == dst:
+            if not bool((tensor == src).all()):
+                raise RuntimeError(f"rank {dst} received wrong bytes from rank {src}")
+            done[f"{src}->{dst}"] = time.perf_counter() - started
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"done": done, "wall": (wall, time.time())})
+    return {"done": {k: v for part in everyone for k, v in part["done"].items()},
+            "wall": (min(p["wall"][0] for p in everyone), max(p["wall"][1] for p in everyone))}
+
+
+def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
+    """Parts (b) and (c), with every rank's egress samples for the timeline."""
+    import torch.distributed as dist
+
+    sampler = EgressSampler()
+    dist.barrier()
+    time_sends(rank, [(0, 2)], MiB)  # warm-up
+    rows, windows = [], []
+    cases = [("send", [(0, 2)], args.send_mib), ("two pipelines", [(0, 2), (1, 3)], args.pipeline_mib)]
+    for op, pairs, mib in cases:
+        for _ in range(args.iters):
+            result = time_sends(rank, pairs, mib * MiB)
+            times = list(result["done"].values())
+            rows.append({"mode": mode, "op": op, "size_mib": mib, "seconds": max(times),
+                         "mean_s": statistics.mean(times), "per_pair": result["done"]})
+            windows.append({"op": op, "mode": mode, "wall": result["wall"]})
+    samples: list = [None] * dist.get_world_size()
+    dist.all_gather_object(samples, sampler.stop())
+    return rows, [{"windows": windows, "egress": samples}]
 PORT = 29700
 
 
@@ -72,7 +154,7 @@ def worker(args) -> None:
                           timeout=timedelta(seconds=300))
     dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=len(HOSTS))
     groups = {args.mode: None}
-    if args.gloo:
+    if args.gloo and "collectives" in args.parts:
         groups["gloo"] = dist.new_group(backend="gloo")
     rows = []
     if "collectives" in args.parts:
@@ -85,8 +167,12 @@ def worker(args) -> None:
             seconds = time_ddp(density, args.ddp_iterations, args.rank)
             rows.append({"mode": args.mode, "op": "DDP dense" if density is None else "DDP sparse 1%",
                          "size_mib": 0, "seconds": seconds})
+    timeline = []
+    if "p2p" in args.parts:
+        p2p, timeline = p2p_rows(args.rank, args, args.mode)
+        rows += p2p
     if args.rank == 0:
-        Path(args.rank_out).write_text(json.dumps({"rows": rows, "stats": site_map()}))
+        Path(args.rank_out).write_text(json.dumps({"rows": rows, "stats": site_map(), "timeline": timeline}))
     dist.destroy_process_group()
 
 
@@ -120,23 +206,33 @@ def time_ddp(density: float | None, iterations: int, rank: int) -> float:
     return float(median)
 
 
-def run_mode(sites, mode: str, args, gloo: bool) -> dict:
+def run_mode(sites, mode: str, args, gloo: bool, parts: list[str], extra_env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         master = sites.host("a0").addr
         common = [sys.executable, "-m", "bench.sites", "--worker", "--mode", mode, "--master", master,
                   "--port", str(PORT), "--rank-out", out, "--iters", str(args.iters),
-                  "--ddp-iterations", str(args.ddp_iterations), "--parts", *args.parts,
+                  "--ddp-iterations", str(args.ddp_iterations), "--parts", *parts,
+                  "--send-mib", str(args.send_mib), "--pipeline-mib", str(args.pipeline_mib),
                   "--sizes-mib", *map(str, args.sizes_mib), *(["--gloo"] if gloo else [])]
         procs = []
         for rank, name in enumerate(HOSTS):
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_SITE": MODES[mode](name)}
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_SITE": MODES.get(mode, MODES["site-aware"])(name),
+                   **(extra_env or {})}
             procs.append(sites.popen(name, [*common, "--rank", str(rank), "--address", sites.host(name).addr],
                                      env=env, cwd=ROOT))
         codes = [proc.wait(timeout=3600) for proc in procs]
         if any(codes):
             raise RuntimeError(f"{mode}: ranks exited with {codes}")
         return json.loads(Path(out).read_text())
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children (the ranks, once waited for)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def case_label(row: dict) -> str:
@@ -166,13 +262,39 @@ def plot(rows: list[dict], run, name: str) -> Path:
     return run.save_figure(fig, name)
 
 
+def plot_timeline(timelines: list[dict], run, name: str) -> Path:
+    """One panel per (rate, mode): each member's WAN egress rate over time, the sends' windows shaded."""
+    from bench.reporting import colours, legend_outside, new_figure
+
+    palette = colours(HOSTS)
+    fig, axes = new_figure(len(timelines), 1, figsize=(10, 3 * len(timelines)), squeeze=False)
+    for ax, timeline in zip(axes[:, 0], timelines):
+        origin = min(samples[0][0] for samples in timeline["egress"] if samples)
+        for host, samples in zip(HOSTS, timeline["egress"]):
+            times = [t - origin for t, _ in samples]
+            rates = [8 * (b1 - b0) / (t1 - t0) / 1e6 for (t0, b0), (t1, b1) in zip(samples, samples[1:])]
+            ax.plot(times[1:], rates, label=f"{host} (rank {HOSTS.index(host)}) WAN egress", color=palette[host])
+        for window in timeline["windows"]:
+            start, end = (w - origin for w in window["wall"])
+            ax.axvspan(start, end, alpha=0.08, color="grey")
+            ax.text(start, ax.get_ylim()[1] * 0.9, window["op"], fontsize=7)
+        ax.set_ylabel("Mbit/s")
+        ax.set_title(f"{timeline['windows'][0]['mode']}, {timeline['rate_mbit']:g} Mbit/s per host")
+        legend_outside(ax)
+    axes[-1, 0].set_xlabel("seconds")
+    return run.save_figure(fig, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[250, 500], help="WAN egress cap per host, Mbit/s")
     parser.add_argument("--rtt-ms", type=float, default=40)
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--iters", type=int, default=2)
-    parser.add_argument("--parts", nargs="+", choices=("collectives", "ddp"), default=["collectives", "ddp"])
+    parser.add_argument("--parts", nargs="+", choices=("collectives", "ddp", "p2p"),
+                        default=["collectives", "ddp", "p2p"])
+    parser.add_argument("--send-mib", type=int, default=256, help="part p2p (b): one send")
+    parser.add_argument("--pipeline-mib", type=int, default=128, help="part p2p (c): each pipeline's send")
     parser.add_argument("--ddp-iterations", type=int, default=6, help="per variant; the first two are not counted")
     parser.add_argument("--name", default="sites", help="file name of the JSON and PNG")
     add_output_options(parser)
@@ -191,25 +313,41 @@ def main(argv: list[str] | None = None) -> int:
     from bench.wanem.sites import WanSites
 
     run = Run(args)
-    rows, stats = [], {}
+    rows, stats, timelines, cpu = [], {}, [], {}
+    collective_parts = [part for part in args.parts if part != "p2p"]
     for rate in args.rates:
         with WanSites(hosts=2, rtt_ms=args.rtt_ms, rate_mbit=rate) as sites:
-            for mode in MODES:
-                result = run_mode(sites, mode, args, gloo=mode == "flat ring" and "collectives" in args.parts)
+            runs = [(mode, collective_parts, None) for mode in MODES if collective_parts]
+            runs += [(mode, ["p2p"], env) for mode, env in P2P_MODES.items() if "p2p" in args.parts]
+            for mode, parts, env in runs:
+                emulators, ranks, wall = sites.cpu_seconds(), children_cpu_seconds(), time.monotonic()
+                result = run_mode(sites, mode, args, gloo=mode == "flat ring", parts=parts, extra_env=env)
+                cpu[f"{rate:g} {mode}"] = {"emulators": sites.cpu_seconds() - emulators,
+                                           "ranks": children_cpu_seconds() - ranks, "wall": time.monotonic() - wall}
                 stats[mode] = result["stats"]
                 rows += [{**row, "rate_mbit": rate} for row in result["rows"]]
+                timelines += [{**part, "rate_mbit": rate} for part in result["timeline"]]
     for row in rows:
-        flat = next(r["seconds"] for r in rows if r["mode"] == "flat ring" and r["size_mib"] == row["size_mib"]
-                    and r["op"] == row["op"] and r["rate_mbit"] == row["rate_mbit"])
+        baseline = "direct" if row["mode"] in P2P_MODES else "flat ring"
+        base = [r for r in rows if r["mode"] == baseline and r["size_mib"] == row["size_mib"]
+                and r["op"] == row["op"] and r["rate_mbit"] == row["rate_mbit"]]
         if row["size_mib"]:
             row["algbw_mbit"] = row["size_mib"] * MiB * 8 / row["seconds"] / 1e6
-        row["speedup_vs_flat"] = flat / row["seconds"]
+        row["speedup"] = statistics.mean(r["seconds"] for r in base) / row["seconds"]
+        if "mean_s" in row:
+            row["mean_speedup"] = statistics.mean(r["mean_s"] for r in base) / row["mean_s"]
     print_table(rows, [("rate_mbit", "Mbit/s/host", "g"), ("op", "op", "s"), ("size_mib", "MiB", "d"),
-                       ("mode", "mode", "s"), ("seconds", "seconds", ".2f"), ("algbw_mbit", "algbw Mbit/s", ".0f"),
-                       ("speedup_vs_flat", "x flat ring", ".2f")])
+                       ("mode", "mode", "s"), ("seconds", "seconds (max)", ".2f"), ("mean_s", "mean s", ".2f"),
+                       ("algbw_mbit", "algbw Mbit/s", ".0f"),
+                       ("speedup", "x baseline (flat ring / direct)", ".2f"), ("mean_speedup", "x mean", ".2f")])
+    print(f"CPU seconds per mode (emulators, ranks) and its wall seconds: {cpu}")
     print(f"load before {run.load_before}, after {run.header()['load_after']}")
-    print(run.save_json(args.name, {"rtt_ms": args.rtt_ms, "iters": args.iters, "rows": rows, "site_maps": stats}))
-    print(plot(rows, run, args.name))
+    print(run.save_json(args.name, {"rtt_ms": args.rtt_ms, "iters": args.iters, "rows": rows, "site_maps": stats,
+                                    "emulator_cpu_s": cpu, "timelines": timelines}))
+    if rows and any(part != "p2p" for part in args.parts):
+        print(plot([r for r in rows if r["mode"] not in P2P_MODES], run, args.name))
+    if timelines:
+        print(plot_timeline(timelines, run, f"{args.name}_timeline"))
     return 0
 
 

@@ -129,6 +129,9 @@ VARIABLES: tuple[Variable, ...] = (
              "1: lz4 per chunk, sent compressed only where that shrinks it"),
     Variable("WANLINK_DIRECT_MAX_BYTES", "direct_max_bytes", _non_negative, "262144",
              "collectives up to this many bytes per rank use direct exchange instead of ring/chain"),
+    Variable("WANLINK_STRIPE_MIN_BYTES", "stripe_min_bytes", _non_negative, "16777216 (16 MiB)",
+             "point-to-point sends of at least this many bytes from a site of several ranks to another site "
+             "are striped over every member's WAN link (docs/sites.md); 0: never"),
     Variable("WANLINK_STAGING_BYTES", "staging_bytes", _staging_bytes, "134217728 (128 MiB)",
              "per link: bytes staged for receives not posted yet (the eager credit; a sender waits for "
              "the receive beyond it); at least 1048576"),
@@ -156,6 +159,7 @@ class Settings:
     secure: bool = False
     compress: bool = False
     direct_max_bytes: int = 256 * 1024
+    stripe_min_bytes: int = 16 * 1024 * 1024
     piece_bytes: int = 4 * 1024 * 1024
     staging_bytes: int = DEFAULT_LIMITS.max_unexpected_bytes
     gc_freeze: bool = True

@@ -276,3 +276,17 @@ def test_misuse_is_refused_with_what_the_caller_knows():
         scheduler.progress(5, 2 * MiB + 1)
     assert scheduler.member_lost(5) and scheduler.member_lost(5) == []
     assert scheduler.progress(5, 10) == []  # a late report from a lost member is ignored
+
+
+def test_cancelling_ends_the_owners_turn_at_once_and_drops_a_queued_transfer():
+    now = [0.0]
+    cell = CellScheduler([0, 1], [MB_S, MB_S], clock=lambda: now[0])
+    assert [a.key for a in cell.submit(0, 4 * MiB, "first")] == ["first", "first"]
+    assert cell.submit(1, 4 * MiB, "queued") == [] and cell.submit(0, 2 * MiB, "dropped") == []
+    assert cell.cancel("dropped") == [] and cell.queued() == 1
+    now[0] = 1.0
+    actions = cell.cancel("first")  # its source gave up: the turn passes on without it
+    assert cell.owner == "queued" and {a.key for a in actions} == {"queued"}
+    assert cell.cancel("first") == [] and cell.cancel("never") == []
+    assert cell.progress(1, 2 * MiB) == [] and cell.progress(0, 2 * MiB)[0].key == "queued"
+    assert cell.owner is None and cell.queued() == 0

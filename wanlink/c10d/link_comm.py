@@ -58,6 +58,14 @@ class LinkComm(Comm):
         self._borrowed: list[torch.Tensor] = []
         self._waiting: dict[int, int] = {}  # peer -> this comm's unfinished sends and receives with it
 
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    def mesh_rank(self, peer: int) -> int:
+        """Group rank ``peer``'s rank on the mesh (the world)."""
+        return self._mesh_ranks[peer]
+
     def waiting_for(self) -> list[int]:
         """The peers this collective still waits on: sends not yet written, receives not yet complete."""
         return [peer for peer, count in self._waiting.items() if count]
@@ -90,21 +98,23 @@ class LinkComm(Comm):
             link = await self._link(peer)
             await link.recv_into(as_buffer(tensor), tag=self._base_tag | piece)
 
-    async def recv_any(self, peers: Sequence[int], tensor: torch.Tensor, piece: int = 0) -> int:
+    async def recv_any(self, peers: Sequence[int], tensor: torch.Tensor, piece: int = 0,
+                       landing: Callable[[int], torch.Tensor] | None = None) -> int:
         """Receive the next message on this tag from whichever of ``peers`` sends one; returns that peer.
 
         Only a message that has started arriving is claimed, so when several peers send, one message
-        is received and the others stay queued for the next receive.
+        is received and the others stay queued for the next receive. ``landing(peer)``, when given,
+        picks the tensor a message from ``peer`` is received into instead of ``tensor``.
         """
         with self._exchanging(peers):
-            return await self._recv_first(peers, tensor, self._base_tag | piece)
+            return await self._recv_first(peers, landing or (lambda _peer: tensor), self._base_tag | piece)
 
-    async def _recv_first(self, peers: Sequence[int], tensor: torch.Tensor, tag: int) -> int:
+    async def _recv_first(self, peers: Sequence[int], landing: Callable[[int], torch.Tensor], tag: int) -> int:
         links = {peer: await self._link(peer) for peer in peers}
         while True:
             for peer, link in links.items():
                 if link.message_started(tag):  # checked and claimed with no await in between
-                    await link.recv_into(as_buffer(tensor), tag=tag)
+                    await link.recv_into(as_buffer(landing(peer)), tag=tag)
                     return peer
             waits = [asyncio.ensure_future(link.wait_message_started(tag)) for link in links.values()]
             try:

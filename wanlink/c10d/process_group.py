@@ -18,7 +18,7 @@ from typing import Awaitable, Callable, Coroutine, Sequence
 import torch
 from torch._C._distributed_c10d import ProcessGroup
 
-from wanlink.c10d import tags
+from wanlink.c10d import striped_p2p, tags
 from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse, check_tensors, nbytes,
                                  reduce_name, root_of, root_tensor_list, same_numel, single, split_counts)
 from wanlink.c10d.deadlines import URGENT, current_deadline
@@ -55,6 +55,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         self._group_name, self._group_desc = group_name, group_name
         self.slot = mesh.claim_slot(group_name)
         self.site_map = mesh.sites.subgroup(self.mesh_ranks)
+        striped_p2p.serve(mesh, settings.stripe_min_bytes, settings.piece_bytes)  # relays on the loop thread
         self.algorithms = AlgorithmChoice.for_group(settings.direct_max_bytes, self.site_map)
         self.piece_bytes = settings.piece_bytes
         self.detail = detail  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's fingerprint
@@ -496,12 +497,12 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
 
         async def body() -> int:
             source = peer
-            if sending:
-                await comm.send(peer, buffer)
+            if sending:  # large ones across sites: striped over the cell (docs/sites.md)
+                await striped_p2p.send(comm, peer, buffer)
             elif peer is None:
-                source = await comm.recv_any(others, buffer)
+                source = await striped_p2p.recv_any(comm, others, buffer)
             else:
-                await comm.recv(peer, buffer)
+                await striped_p2p.recv(comm, peer, buffer)
             staging.finish()
             return source
 

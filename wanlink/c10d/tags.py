@@ -6,6 +6,8 @@ Links are shared by every group of a world, so a tag names its group::
     bits 46..61   group slot (16 bits, from the group name; collisions are refused)
     collective:   bits 16..45 sequence number mod 2**30, bits 0..15 piece (0xFFFF = DETAIL header)
     p2p:          bits 0..45 the user's tag
+    striped p2p:  the slot of group ``wanlink/striped-p2p``, bits 30..45 the origin rank,
+                  bits 8..29 its transfer serial, bits 0..7 the share (wanlink.c10d.striped_p2p)
 
 Every collective has its own sequence number, so overlapping collectives (DDP buckets) never
 share a tag; inside one collective the transport's per-tag FIFO orders the ring's steps.
@@ -37,3 +39,8 @@ def p2p_tag(slot: int, user_tag: int) -> int:
     if not 0 <= user_tag <= MAX_USER_TAG:
         raise ConfigError(f"wanlink send/recv: tag must be in [0, {MAX_USER_TAG}], got {user_tag}")
     return P2P_FLAG | (slot << USER_TAG_BITS) | user_tag
+
+
+def relay_tag(slot: int, origin: int, serial: int, share: int) -> int:
+    """Tag of one share of a striped transfer on every hop (``slot``: the reserved group's)."""
+    return (slot << USER_TAG_BITS) | (origin << 30) | (serial << 8) | share

@@ -260,6 +260,22 @@ class CellScheduler:
             actions += self._assign(current, self._split(current.source, offset, length), now)
         return actions + self._finish_turn_if_done(now)
 
+    def cancel(self, key: Hashable) -> list[Action]:
+        """Drop transfer ``key`` (its source gave up on it): out of its queue, or, when it owns the
+        cell, its turn ends at once. Unknown keys (finished or failed already) are ignored."""
+        if key not in self._keys:
+            return []
+        self._keys.discard(key)
+        for queue in self._queues.values():
+            for transfer in queue:
+                if transfer.key == key:
+                    queue.remove(transfer)
+                    return []
+        for member in self._members.values():
+            member.shares.clear()
+        self._current = None
+        return self._start_turn()
+
     # -- internals -------------------------------------------------------------------------
 
     def _member(self, rank: int) -> _Member:

@@ -1,0 +1,349 @@
+"""Cell-striped point-to-point over a mesh's links: relays on the wanlink-io loop thread.
+
+A large send from site A to site B (``wanlink.sched.stripes.striped``) crosses the WAN on every
+member of A at once: the source asks its cell's leader (LocalDPRank 0, which runs the cell's
+:class:`~wanlink.sched.cells.CellScheduler`) for a turn; the grant lists one share per live
+member; each share goes source -> carrier (local network) -> partner in B (the carrier's WAN
+link) -> destination (B's local network), as consecutive pieces, and the destination receives
+every piece straight into the posted tensor. Two transfers of one cell take turns: the next is
+granted when every member reported its WAN hop of the current one done.
+
+Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
+reads the control messages of all its links on the loop thread and relays what it is asked to.
+Its messages use the links' control channel and, for data, tags of a group slot reserved under
+the name ``RESERVED_GROUP`` (``Mesh.claim_slot`` refuses a group whose name collides), so they
+never meet user tags or collectives.
+
+The destination learns a striped message from an 8-byte descriptor (the transfer's serial) that
+the source sends on the user's own tag, so messages keep their per-tag order and a receive from
+any source works. A member that dies while a striped transfer needs it fails that transfer, on
+the source and on the destination, with a :class:`~wanlink.errors.PeerLost` naming it (striped
+transfers do not finish over the survivors; later ones are split over the live members only).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import weakref
+from typing import Awaitable, Sequence
+
+import torch
+
+from wanlink.c10d.link_comm import LinkComm, as_buffer
+from wanlink.c10d.mesh import Mesh
+from wanlink.c10d.tags import relay_tag
+from wanlink.collectives.base import gather_all
+from wanlink.errors import ConfigError, PeerLost
+from wanlink.sched.cells import CellScheduler, SendShare, TransferFailed, TransferFinished
+from wanlink.sched.stripes import MAX_ROUTES, Route, pieces, routes, striped
+
+logger = logging.getLogger(__name__)
+
+RESERVED_GROUP = "wanlink/striped-p2p"
+"""Group name whose tag slot the striped transfers' data travels on."""
+RELAY_WINDOW = 4
+"""Pieces a relay holds at once per share (received and not yet acknowledged onward)."""
+NOMINAL_RATE = 100e6
+"""Initial WAN rate of every member (bytes/s): equal shares until finished shares measure them."""
+SERIALS = 1 << 22
+
+_services: "weakref.WeakKeyDictionary[Mesh, StripedP2P]" = weakref.WeakKeyDictionary()
+
+
+def serve(mesh: Mesh, min_bytes: int, piece_bytes: int) -> None:
+    """Start striping and relaying on ``mesh`` (once per mesh; any non-loop thread)."""
+    if mesh in _services or not StripedP2P.useful(mesh.sites, min_bytes):
+        return
+    service = _services[mesh] = StripedP2P(mesh, min_bytes, piece_bytes)
+    mesh.runtime.run(service.start(), mesh.timeout.total_seconds())
+
+
+async def send(comm: LinkComm, peer: int, buffer: torch.Tensor) -> None:
+    """``comm.send``, striped over this rank's cell when it pays (docs/sites.md)."""
+    service = _services.get(comm.mesh)
+    if service is None or not service.applies(comm.mesh.rank, comm.mesh_rank(peer), buffer):
+        return await comm.send(peer, buffer)
+    await service.send(comm, peer, buffer)
+
+
+async def recv(comm: LinkComm, peer: int, buffer: torch.Tensor) -> None:
+    """``comm.recv`` of a message that may come striped."""
+    service = _services.get(comm.mesh)
+    if service is None or not service.applies(comm.mesh_rank(peer), comm.mesh.rank, buffer):
+        return await comm.recv(peer, buffer)
+    descriptor = torch.empty(1, dtype=torch.int64)
+    await comm.recv(peer, descriptor)
+    await service.receive(comm.mesh_rank(peer), int(descriptor), buffer)
+
+
+async def recv_any(comm: LinkComm, peers: Sequence[int], buffer: torch.Tensor) -> int:
+    """``comm.recv_any`` of a message that may come striped; returns the sending group rank."""
+    service = _services.get(comm.mesh)
+    if service is None:
+        return await comm.recv_any(peers, buffer)
+    descriptor = torch.empty(1, dtype=torch.int64)
+
+    def landing(peer: int) -> torch.Tensor:
+        return descriptor if service.applies(comm.mesh_rank(peer), comm.mesh.rank, buffer) else buffer
+
+    source = await comm.recv_any(peers, buffer, landing=landing)
+    if service.applies(comm.mesh_rank(source), comm.mesh.rank, buffer):
+        await service.receive(comm.mesh_rank(source), int(descriptor), buffer)
+    return source
+
+
+class StripedP2P:
+    """One mesh's striping: relays, the cell leader's scheduler, and both ends of striped transfers.
+
+    Ranks here are mesh (world) ranks. Everything but :meth:`useful` and :meth:`applies` runs on
+    the loop thread.
+    """
+
+    def __init__(self, mesh: Mesh, min_bytes: int, piece_bytes: int):
+        self.mesh, self.sites, self.rank = mesh, mesh.sites, mesh.rank
+        self.min_bytes, self.piece_bytes = min_bytes, piece_bytes
+        self.slot = mesh.claim_slot(RESERVED_GROUP)
+        cell = self.sites.cell(self.rank)
+        self.leader = cell[0]
+        self.scheduler = None
+        if self.rank == self.leader and len(cell) > 1:
+            self.scheduler = CellScheduler(cell, [NOMINAL_RATE] * len(cell), time.monotonic,
+                                           site=self.sites.site(self.rank))
+        self._serials = itertools.count()
+        self._plans: dict[tuple[int, int], asyncio.Future] = {}
+        self._grants: dict[tuple[int, int], asyncio.Future] = {}
+        self._granted: set[tuple[int, int]] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self.finished: list[TransferFinished] = []  # the leader's record of its cell's turns
+        self.relayed_bytes = 0  # of other ranks' transfers, forwarded by this rank
+
+    @staticmethod
+    def useful(sites, min_bytes: int) -> bool:
+        """Whether any send on this world can be striped: sites, a cell of several, the threshold on."""
+        return (min_bytes > 0 and sites.spans_sites and sites.world_size < (1 << 16) - 1
+                and 1 < max(len(cell) for cell in sites.cells.values()) <= MAX_ROUTES)
+
+    def applies(self, source: int, destination: int, buffer: torch.Tensor) -> bool:
+        return striped(self.sites, source, destination, buffer.numel() * buffer.element_size(), self.min_bytes)
+
+    async def start(self) -> None:
+        for peer in range(self.mesh.size):
+            if peer != self.rank:
+                self._spawn(self._read(peer, await self.mesh.link(peer)))
+
+    # -- control messages ----------------------------------------------------------------------
+    def _spawn(self, coroutine: Awaitable) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _read(self, peer: int, link) -> None:
+        while True:
+            try:
+                message = await link.recv_control()
+            except PeerLost:
+                self._lost(peer)
+                return
+            try:
+                self._dispatch(peer, message)
+            except Exception:  # a malformed message must not stop the reader
+                logger.exception("wanlink striped p2p: rank %d could not handle %r from rank %d",
+                                 self.rank, message, peer)
+
+    def _to(self, rank: int, message: list) -> None:
+        """Send a control message (to this rank itself: handled on the next loop turn)."""
+        if rank == self.rank:
+            asyncio.get_running_loop().call_soon(self._dispatch, rank, message)
+            return
+        link = self.mesh.cached(rank)
+        if link is None:
+            raise PeerLost(f"wanlink striped p2p: no live link from rank {self.rank} to rank {rank}")
+        link.send_control(message)
+
+    def _tell(self, rank: int, message: list) -> None:
+        """``_to`` for notices whose loss only matters to a peer that is gone."""
+        try:
+            self._to(rank, message)
+        except PeerLost as error:
+            logger.debug("striped p2p notice %r to rank %d not sent: %s", message[0], rank, error)
+
+    def _dispatch(self, peer: int, message) -> None:
+        kind, *fields = message if isinstance(message, list) and message else [None]
+        if kind == "relay":
+            self._spawn(self._relay(peer, *fields))
+        elif kind == "plan":
+            serial, total, piece_bytes, plan = fields
+            future = self._future(self._plans, (peer, serial))
+            if not future.done():  # (cancelled: its receive gave up)
+                future.set_result((total, piece_bytes, [Route(*r) for r in plan]))
+        elif kind == "grant":
+            serial, shares = fields
+            future = self._grants.get((self.rank, serial))
+            if future is not None and not future.done():
+                future.set_result(shares)
+        elif kind in ("request", "done", "cancel") and self.scheduler is not None:
+            self._lead(peer, kind, fields)
+        else:
+            logger.warning("wanlink striped p2p: rank %d ignored control message %r from rank %d",
+                           self.rank, message, peer)
+
+    @staticmethod
+    def _future(table: dict, key) -> asyncio.Future:
+        """The future under ``key``, made by whichever of its setter and its waiter comes first."""
+        future = table.get(key)
+        if future is None:
+            future = table[key] = asyncio.get_running_loop().create_future()
+        return future
+
+    # -- the cell leader -----------------------------------------------------------------------
+    def _lead(self, peer: int, kind: str, fields: list) -> None:
+        scheduler = self.scheduler
+        if kind == "request":
+            serial, nbytes = fields
+            actions = scheduler.submit(peer, nbytes, (peer, serial))
+        elif kind == "done":
+            origin, serial, nbytes = fields
+            if scheduler.owner != (origin, serial):  # a cancelled transfer's late report
+                return
+            actions = scheduler.progress(peer, nbytes)
+        else:
+            origin, serial = fields
+            self._granted.discard((origin, serial))
+            actions = scheduler.cancel((origin, serial))
+        self._carry_out(actions)
+
+    def _carry_out(self, actions: list) -> None:
+        grants: dict[tuple[int, int], list] = {}
+        for action in actions:
+            if isinstance(action, SendShare) and action.key not in self._granted:
+                grants.setdefault(action.key, []).append([action.rank, action.offset, action.length])
+            elif isinstance(action, (TransferFinished, TransferFailed)):
+                self._granted.discard(action.key)
+                if isinstance(action, TransferFinished):
+                    self.finished.append(action)
+        for (origin, serial), shares in grants.items():
+            self._granted.add((origin, serial))
+            self._tell(origin, ["grant", serial, shares])
+
+    def _lost(self, peer: int) -> None:
+        if self.scheduler is not None and peer in self.sites.cell(self.rank):
+            self._carry_out(self.scheduler.member_lost(peer))
+
+    # -- both ends and the relays --------------------------------------------------------------
+    async def _watching(self, ranks, awaitable: Awaitable, what: str, role: str):
+        """``awaitable``'s result, or PeerLost naming the first of ``ranks`` whose link fails first."""
+        work = asyncio.ensure_future(awaitable)
+        watches = {asyncio.ensure_future(self._watch(rank)): rank for rank in set(ranks) - {self.rank}}
+        try:
+            done, _ = await asyncio.wait([work, *watches], return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            lost = next(task for task in done if task is not work)
+            rank = watches[lost]
+            raise PeerLost(f"{what}: {role} rank {rank} (site {self.sites.site(rank)!r}, LocalDPRank "
+                           f"{self.sites.local_rank(rank)}) was lost, so the transfer failed (a striped transfer "
+                           f"does not finish over the surviving members): {lost.exception()}") from lost.exception()
+        finally:
+            for task in [work, *watches]:
+                task.cancel()
+            await asyncio.gather(work, *watches, return_exceptions=True)
+
+    async def _watch(self, rank: int) -> None:
+        """Returns (with PeerLost as its exception) only when the link to ``rank`` fails."""
+        link = await self.mesh.link(rank)
+        await link.wait_message_started(relay_tag(self.slot, 0, 0, MAX_ROUTES))  # never sent on
+
+    async def send(self, comm: LinkComm, peer: int, buffer: torch.Tensor) -> None:
+        destination = comm.mesh_rank(peer)
+        serial = next(self._serials) % SERIALS
+        nbytes = buffer.numel() * buffer.element_size()
+        what = (f"wanlink striped send of {nbytes} bytes from rank {self.rank} (site {self.sites.site(self.rank)!r}) "
+                f"to rank {destination} (site {self.sites.site(destination)!r})")
+        data = buffer.reshape(-1).view(torch.uint8)
+        descriptor = asyncio.ensure_future(comm.send(peer, torch.tensor([serial], dtype=torch.int64)))
+        try:
+            grant = self._future(self._grants, (self.rank, serial))
+            self._to(self.leader, ["request", serial, nbytes])
+            shares = await self._watching([self.leader], grant, what, "cell leader")
+            plan = routes(self.sites, self.rank, destination, shares)
+            self._to(destination, ["plan", serial, nbytes, self.piece_bytes,
+                                   [[r.offset, r.length, r.carrier, r.partner] for r in plan]])
+            jobs = [descriptor]
+            for index, route in enumerate(plan):
+                share = data[route.offset:route.offset + route.length]
+                tag = relay_tag(self.slot, self.rank, serial, index)
+                if route.carrier == self.rank:
+                    jobs.append(self._send_pieces(destination, tag, share, (self.rank, serial)))
+                else:
+                    self._to(route.carrier, ["relay", self.rank, serial, index, destination, route.partner,
+                                             route.length, self.piece_bytes])
+                    jobs.append(self._send_pieces(route.carrier, tag, share))
+            await self._watching([r.carrier for r in plan] + [destination], gather_all(jobs), what, "relay")
+        except BaseException:
+            descriptor.cancel()
+            self._tell(self.leader, ["cancel", self.rank, serial])
+            raise
+        finally:
+            self._grants.pop((self.rank, serial), None)
+
+    async def _send_pieces(self, rank: int, tag: int, share: torch.Tensor, report: tuple | None = None) -> None:
+        """Send ``share`` to ``rank`` as pieces on ``tag``; ``report``: tell the leader when acknowledged."""
+        link = await self.mesh.link(rank)
+        view = as_buffer(share)
+        await gather_all([link.send(view[offset:offset + size], tag=tag)
+                          for offset, size in pieces(len(view), self.piece_bytes)])
+        if report is not None:
+            self._tell(self.leader, ["done", *report, len(view)])
+
+    async def receive(self, source: int, serial: int, buffer: torch.Tensor) -> None:
+        """Receive striped transfer ``serial`` of ``source`` into ``buffer``."""
+        nbytes = buffer.numel() * buffer.element_size()
+        what = (f"wanlink striped recv of {nbytes} bytes at rank {self.rank} from rank {source} "
+                f"(site {self.sites.site(source)!r})")
+        try:
+            total, piece_bytes, plan = await self._watching([source], self._future(self._plans, (source, serial)),
+                                                            what, "source")
+        finally:
+            self._plans.pop((source, serial), None)
+        if total != nbytes:
+            raise ConfigError(f"{what}: rank {source} sent {total} bytes on this tag, but the receive "
+                              f"posted a tensor of {nbytes} bytes")
+        view = as_buffer(buffer.reshape(-1))
+        jobs = []
+        for index, route in enumerate(plan):
+            link = await self.mesh.link(route.last_hop(self.rank))
+            tag = relay_tag(self.slot, source, serial, index)
+            jobs += [link.recv_into(view[route.offset + offset:route.offset + offset + size], tag=tag)
+                     for offset, size in pieces(route.length, piece_bytes)]
+        members = [source] + [rank for route in plan for rank in (route.carrier, route.partner)]
+        await self._watching(members, gather_all(jobs), what, "relay")
+
+    async def _relay(self, peer: int, origin: int, serial: int, index: int, destination: int, next_hop: int,
+                     length: int, piece_bytes: int) -> None:
+        """Forward a share from ``peer`` to ``next_hop`` piece by piece; the carrier reports its WAN hop."""
+        tag = relay_tag(self.slot, origin, serial, index)
+        carrying = self.sites.site(self.rank) == self.sites.site(origin)
+        try:
+            inbound, outbound = await self.mesh.link(peer), await self.mesh.link(next_hop)
+            if next_hop != destination:
+                outbound.send_control(["relay", origin, serial, index, destination, destination, length, piece_bytes])
+            window = asyncio.Semaphore(RELAY_WINDOW)
+            sends = []
+            for _offset, size in pieces(length, piece_bytes):
+                await window.acquire()
+                piece = bytearray(size)
+                await inbound.recv_into(piece, tag=tag)
+                forward = asyncio.ensure_future(outbound.send(piece, tag=tag))
+                forward.add_done_callback(lambda _done: window.release())
+                sends.append(forward)
+            await gather_all(sends)
+            self.relayed_bytes += length
+            if carrying:
+                self._tell(self.leader, ["done", origin, serial, length])
+        except Exception as error:  # noqa: BLE001 - the ends see the lost member on their own links
+            logger.warning("wanlink striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
+                           "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)
+            if carrying:
+                self._tell(self.leader, ["cancel", origin, serial])
