@@ -633,18 +633,22 @@ async def _in_process(args, group: str) -> list[dict]:
 def run_group(args, group: str) -> list[dict]:
     """The rows of one group, each stamped with its group, date and load."""
     started = time.time()
-    if group == "peers":
-        rows = [peers(how, args.peer_trials, args.peer_timeout) for how in ("kill", "freeze")]
-    elif group == "loss":
-        rows = loss(args.seconds, args.rate_mbit, 0.01)
-    elif group == "soak":
-        rows = [soak(args.soak, args.peer_timeout * 6)]
-    else:
-        loop = new_event_loop()
-        try:
-            rows = loop.run_until_complete(_in_process(args, group))
-        finally:
-            loop.close()
+    try:
+        if group == "peers":
+            rows = [peers(how, args.peer_trials, args.peer_timeout) for how in ("kill", "freeze")]
+        elif group == "loss":
+            rows = loss(args.seconds, args.rate_mbit, 0.01)
+        elif group == "soak":
+            rows = [soak(args.soak, args.peer_timeout * 6)]
+        else:
+            loop = new_event_loop()
+            try:
+                rows = loop.run_until_complete(_in_process(args, group))
+            finally:
+                loop.close()
+    except Exception as exc:  # noqa: BLE001 - one failed group is a failed row, not a lost table
+        rows = [{"scenario": group, "trials": 0, "outcome": f"bench failed: {type(exc).__name__}: {exc}"[:400],
+                 "figure": "", "ok": False}]
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
     for row in rows:
         row.update(group=group, date_utc=when, load=[round(x, 2) for x in os.getloadavg()],
