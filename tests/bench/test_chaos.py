@@ -37,16 +37,28 @@ def test_soak_cases_are_exact_in_every_dtype():
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_by_every_survivor():
+@pytest.mark.parametrize("seed", [7, 8])
+def test_a_killed_rank_is_named_by_every_survivor_before_the_timeout(seed):
+    """Also survivors that were waiting on another survivor (ring all_reduce) hear of the death."""
     import random
 
-    trial = chaos._peer_trial("kill", random.Random(7), timeout_s=20)
+    trial = chaos._peer_trial("kill", random.Random(seed), timeout_s=30)
     survivors = trial["survivors"]
     assert len(survivors) == chaos.WORLD - 1
     for report in survivors:
         assert report["type"] == "PeerLost", report
         assert report["names_victim"], report
-        assert report["after_s"] < 20, report
+        assert report["after_s"] < 30, report
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_as_silent_when_the_collective_times_out():
+    import random
+
+    trial = chaos._peer_trial("freeze", random.Random(7), timeout_s=6)
+    for report in trial["survivors"]:
+        assert report["type"] == "DeadlineExceeded", report
+        assert f"rank {trial['victim']} sent nothing for" in report["message"], report
 
 
 @pytest.mark.slow

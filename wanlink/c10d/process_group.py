@@ -38,6 +38,10 @@ from wanlink.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+LOST_POLL_S = 0.5
+"""How often a collective checks whether the link to one of its members failed."""
+SILENT_S = 3.0
+"""A peer whose link received nothing for this long (3 missed pings) is named as frozen in a timeout."""
 SHUTDOWN_DRAIN_SECONDS = 10.0
 """Longest the world group waits at shutdown for peers to finish reading what it sent."""
 
@@ -88,26 +92,57 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         return self.default_timeout.total_seconds()
 
     def _launch(self, op: str, label: str, body: Awaitable, outputs: list, seconds: float,
-                comms: Sequence[LinkComm], reports_source: bool = False) -> WanlinkWork:
-        """Submit ``body`` to the I/O loop under a ``seconds`` timeout; its errors name the op and group."""
+                comms: Sequence[LinkComm], reports_source: bool = False, everyone: bool = False) -> WanlinkWork:
+        """Submit ``body`` to the I/O loop under a ``seconds`` timeout; its errors name the op and group.
+
+        ``everyone``: every member takes part (a collective), so a failed link to any member fails
+        ``body`` at once, naming that rank, even while it waits on another one.
+        """
         where = f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
 
         async def guarded():
             try:
+                if everyone:
+                    return await self._unless_a_member_is_lost(body, seconds)
                 return await asyncio.wait_for(body, seconds)
             except asyncio.TimeoutError as error:
                 if isinstance(error, DeadlineExceeded):  # from inside the algorithm: it says whom it missed
                     raise DeadlineExceeded(f"{where}: {error}") from None
                 waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
                     [rank for rank in range(self.group_size) if rank != self.group_rank]
+                silent = comms[0].silent(waiting, SILENT_S) if comms else {}
+                named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
+                                f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
                 raise DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
-                                       f"dead, stuck or not calling it") from None
+                                       f"dead, stuck or not calling it{named}") from None
             except PeerLost as error:
                 raise PeerLost(f"{where}: {error}") from error
 
         traced = torch.autograd._profiler_enabled()  # a range costs ~5 us and a GIL hand-off: only when traced
         with torch.profiler.record_function(f"wanlink:{op}") if traced else contextlib.nullcontext():
             return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source, where)
+
+    async def _unless_a_member_is_lost(self, body: Awaitable, seconds: float):
+        """``body`` within ``seconds`` (else TimeoutError), checking every LOST_POLL_S whether the link
+        to a member failed: then PeerLost saying which, instead of waiting out the timeout."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(body)
+        deadline = loop.time() + seconds
+        try:
+            while not task.done():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError
+                await asyncio.wait({task}, timeout=min(LOST_POLL_S, remaining))
+                if not task.done():
+                    lost = next(filter(None, (self.mesh.lost(rank) for rank in self.mesh_ranks)), None)
+                    if lost is not None:
+                        raise PeerLost(f"this collective cannot complete: {lost}") from lost
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _collective(self, op: str, fingerprint: tuple, body: Callable[..., Awaitable[None]],
                     staging: Staging, outputs: list, opts=None, parts: int = 1) -> WanlinkWork:
@@ -130,7 +165,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
                 comm.release()  # only on success: after a failure a send may still read its buffer
 
         return self._launch(op, f"{op} #{sequence}", run(), outputs,
-                            self._timeout_seconds(getattr(opts, "timeout", None)), comms)
+                            self._timeout_seconds(getattr(opts, "timeout", None)), comms, everyone=True)
 
     def sites(self) -> dict:
         """This rank's site and LocalDPRank and the group's cells (``wanlink.c10d.site_map``)."""
