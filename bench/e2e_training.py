@@ -9,7 +9,7 @@ Both namespaces run with ``net.ipv4.tcp_slow_start_after_idle=0`` (every variant
 docs/sparse.md), every rank keeps freed memory in the heap (``--malloc``, see KEEP_FREED_MEMORY)
 and every DDP uses ``gradient_as_bucket_view=True``. Needs root.
 
-    python3 dev.py bench bench/e2e_training.py [--rtt-ms 40] [--rates 500 100] [--iterations N]
+    python3 dev.py bench bench/e2e_training.py [--rtt-ms 40] [--rates 500 100] [--iterations N] [--secure]
 """
 from __future__ import annotations
 
@@ -171,13 +171,13 @@ def worker(args) -> None:
 
 
 def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool, shape: str = "",
-                chunk_order: str = "edf") -> dict:
+                chunk_order: str = "edf", secure: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name, "--shape", shape,
                   "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--rank-out", out]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_CHUNK_ORDER": chunk_order,
-               **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
+               "WANLINK_SECURE": "1" if secure else "0", **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env)]
         if VARIANTS[name]["ranks"] == 2:
             ranks.append(path.popen_b([*common, "--rank", "1", "--address", path.addr_b], env=env))
@@ -188,14 +188,15 @@ def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: 
     steady = result["records"][SKIP_FIRST:]
     medians = {f"median_{phase}": statistics.median(r[phase] for r in steady)
                for phase in PHASES if phase in steady[0]}
-    return {"variant": name, **VARIANTS[name], "iterations": iterations, "chunk_order": chunk_order,
+    return {"variant": name, **VARIANTS[name], "iterations": iterations, "chunk_order": chunk_order, "secure": secure,
             "median_iteration_s": statistics.median(r["seconds"] for r in steady), **medians,
             "final_loss": statistics.mean(r["loss"] for r in result["records"][-DATA_BATCHES:]), **result}
 
 
 def _label(row: dict) -> str:
     order = " fcfs" if row.get("chunk_order") == "fcfs" else ""
-    return f"{row['variant']}{order} @ {row['rate_mbit']:g} Mbit/s"
+    secure = " secure" if row.get("secure") else ""
+    return f"{row['variant']}{order}{secure} @ {row['rate_mbit']:g} Mbit/s"
 
 
 def add_worker_options(parser: argparse.ArgumentParser, port: int, extra: tuple[str, ...] = ()) -> None:
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                         + " ".join(f"{k}={v}" for k, v in KEEP_FREED_MEMORY.items()))
     parser.add_argument("--chunk-orders", nargs="+", choices=("edf", "fcfs"), default=["edf"],
                         help="WANLINK_CHUNK_ORDER of the ranks: each wanlink variant runs once per order")
+    parser.add_argument("--secure", action="store_true",
+                        help="run every wanlink variant twice: plaintext and WANLINK_SECURE=1 (AES-GCM)")
     parser.add_argument("--name", default="e2e_training", help="file name of the JSON and PNG")
     parser.add_argument("--shape", default="", help="train one of bench/fidelity.py's SHAPES on its data "
                         f"instead of the {WIDTH}-wide MLP on a teacher task")
@@ -290,11 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     for rate in args.rates:
         with WanPath(rtt_ms=args.rtt_ms, rate_mbit=rate) as path:
             set_slow_start_after_idle(path, args.slow_start_after_idle)
-            runs = [(name, order) for name in args.variants
-                    for order in (args.chunk_orders if VARIANTS[name]["backend"] == "wanlink" else ["edf"])]
-            for index, (name, order) in enumerate(runs):
+            wanlink = [name for name in args.variants if VARIANTS[name]["backend"] == "wanlink"]
+            runs = [(name, order, secure) for name in args.variants
+                    for order in (args.chunk_orders if name in wanlink else ["edf"])
+                    for secure in ((False, True) if args.secure and name in wanlink else (False,))]
+            for index, (name, order, secure) in enumerate(runs):
                 row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index,
-                                  keep_freed_memory=args.malloc == "keep-freed", shape=args.shape, chunk_order=order)
+                                  keep_freed_memory=args.malloc == "keep-freed", shape=args.shape, chunk_order=order,
+                                  secure=secure)
                 row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms,
                            slow_start_after_idle=args.slow_start_after_idle,
                            malloc=args.malloc)
@@ -302,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                     row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
                                                         - row["median_wait_s"])
                 rows.append(row)
-                print(f"{rate:g} Mbit/s {name} ({order}): {row['median_iteration_s']:.3f} s/iteration", flush=True)
+                print(f"{rate:g} Mbit/s {name} ({order}{', secure' if secure else ''}): "
+                      f"{row['median_iteration_s']:.3f} s/iteration", flush=True)
     for row in rows:
         gloo = next((r for r in rows if r["rate_mbit"] == row["rate_mbit"] and r["variant"] == "gloo dense"), None)
         row["speedup_vs_gloo"] = gloo["median_iteration_s"] / row["median_iteration_s"] if gloo else float("nan")
@@ -318,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
           f"tcp_slow_start_after_idle={args.slow_start_after_idle}; load {os.getloadavg()[0]:.2f}; "
           "phases are medians (hook and wait: sparse variants only)")
     print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("chunk_order", "order", ""),
+                       ("secure", "secure", ""),
                        ("iterations", "iters", "d"),
                        ("median_iteration_s", "s/iteration", ".3f"), ("speedup_vs_gloo", "x gloo", ".1f"),
                        ("speedup_vs_gloo_same_wire", "x gloo same wire", ".1f"),

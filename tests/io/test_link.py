@@ -585,6 +585,7 @@ async def test_server_close_leaves_no_registration_on_a_descriptor_it_closed():
 
 async def test_errors_name_the_rank_the_layers_above_labelled(pair):
     pair.client.labels.update(peer_rank=2, peer_address="10.0.0.9:29500")
+    assert wanlink.stats()["rank 2"]["peer_rank"] == 2 and pair.accepted.name in wanlink.stats()  # keyed by rank
     await pair.accepted.close()
     with pytest.raises(PeerLost, match=r"link to rank 2 at 10\.0\.0\.9:29500 \(127\.0\.0\.1:\d+\) failed"):
         await asyncio.wait_for(pair.client.recv_into(bytearray(4), tag=9), 30)

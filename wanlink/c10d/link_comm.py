@@ -70,6 +70,19 @@ class LinkComm(Comm):
         """The peers this collective still waits on: sends not yet written, receives not yet complete."""
         return [peer for peer, count in self._waiting.items() if count]
 
+    def silent(self, peers: Sequence[int], longer_than: float) -> dict[int, float]:
+        """Of ``peers``, those whose link received nothing for ``longer_than`` s: peer -> seconds (loop thread).
+
+        A peer whose process runs keeps pinging, even while it waits on someone else; one that is
+        frozen (stopped, swapping, stuck holding the GIL) or cut off goes silent.
+        """
+        silent = {}
+        for peer in peers:
+            link = self._mesh.cached(self._mesh_ranks[peer])
+            if link is not None and link.silent_s() > longer_than:
+                silent[peer] = link.silent_s()
+        return silent
+
     @contextlib.contextmanager
     def _exchanging(self, peers: Sequence[int]):
         for peer in peers:

@@ -251,6 +251,13 @@ class Mesh:
         failed.exception()  # retrieved: nobody need ask
         self._links[peer] = failed
 
+    def lost(self, peer: int) -> BaseException | None:
+        """Why the link to ``peer`` failed, if it did (loop thread); None for itself and live or pending links."""
+        slot = self._links.get(peer)
+        if slot is not None and slot.done() and not slot.cancelled():
+            return slot.exception()
+        return None
+
     def cached(self, peer: int):
         """The link to ``peer`` if it is already up, else None (loop thread)."""
         slot = self._links.get(peer)

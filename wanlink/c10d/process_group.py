@@ -38,8 +38,34 @@ from wanlink.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+LOST_POLL_S = 0.5
+"""How often a collective checks whether the link to one of its members failed."""
+SILENT_S = 3.0
+"""A peer whose link received nothing for this long (3 missed pings) is named as frozen in a timeout."""
 SHUTDOWN_DRAIN_SECONDS = 10.0
 """Longest the world group waits at shutdown for peers to finish reading what it sent."""
+
+
+class LostMemberWatch:
+    """Cancels the running collective's task when the link to any member of its group has failed
+    (checked every LOST_POLL_S on the loop), so it fails at once naming that rank, even while it
+    waits on another member. Costs one timer per collective, no extra task."""
+
+    def __init__(self, mesh, ranks: Sequence[int]):
+        self.mesh, self.ranks = mesh, ranks
+        self.task = asyncio.current_task()
+        self.lost: BaseException | None = None
+        self._timer = self.task.get_loop().call_later(LOST_POLL_S, self._check)
+
+    def _check(self) -> None:
+        self.lost = next(filter(None, (self.mesh.lost(rank) for rank in self.ranks)), None)
+        if self.lost is not None:
+            self.task.cancel()
+        else:
+            self._timer = self.task.get_loop().call_later(LOST_POLL_S, self._check)
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
@@ -89,26 +115,42 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         return self.default_timeout.total_seconds()
 
     def _launch(self, op: str, label: str, body: Coroutine, outputs: list, seconds: float,
-                comms: Sequence[LinkComm], reports_source: bool = False) -> WanlinkWork:
-        """Submit ``body`` to the I/O loop under a ``seconds`` timeout; its errors name the op and group."""
+                comms: Sequence[LinkComm], reports_source: bool = False, everyone: bool = False) -> WanlinkWork:
+        """Submit ``body`` to the I/O loop under a ``seconds`` timeout; its errors name the op and group.
+
+        ``everyone``: every member takes part (a collective), so a failed link to any member fails
+        ``body`` at once, naming that rank, even while it waits on another one.
+        """
         where = f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
 
         async def guarded():
+            watch = LostMemberWatch(self.mesh, self.mesh_ranks) if everyone else None
             try:
                 if seconds <= 0:  # expired before it began: nothing is sent
                     body.close()
                     raise asyncio.TimeoutError
                 async with asyncio.timeout(seconds):  # (wait_for would run the body as one more task)
                     return await body
+            except asyncio.CancelledError:
+                if watch is None or watch.lost is None:
+                    raise
+                asyncio.current_task().uncancel()
+                raise PeerLost(f"{where}: this collective cannot complete: {watch.lost}") from watch.lost
             except asyncio.TimeoutError as error:
                 if isinstance(error, DeadlineExceeded):  # from inside the algorithm: it says whom it missed
                     raise DeadlineExceeded(f"{where}: {error}") from None
                 waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
                     [rank for rank in range(self.group_size) if rank != self.group_rank]
+                silent = comms[0].silent(waiting, SILENT_S) if comms else {}
+                named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
+                                f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
                 raise DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
-                                       f"dead, stuck or not calling it") from None
+                                       f"dead, stuck or not calling it{named}") from None
             except PeerLost as error:
                 raise PeerLost(f"{where}: {error}") from error
+            finally:
+                if watch is not None:
+                    watch.stop()
 
         traced = torch.autograd._profiler_enabled()  # a range costs ~5 us and a GIL hand-off: only when traced
         with torch.profiler.record_function(f"wanlink:{op}") if traced else contextlib.nullcontext():
@@ -135,7 +177,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
                 comm.release()  # only on success: after a failure a send may still read its buffer
 
         return self._launch(op, f"{op} #{sequence}", run(), outputs,
-                            self._timeout_seconds(getattr(opts, "timeout", None)), comms)
+                            self._timeout_seconds(getattr(opts, "timeout", None)), comms, everyone=True)
 
     def sites(self) -> dict:
         """This rank's site and LocalDPRank and the group's cells (``wanlink.c10d.site_map``)."""

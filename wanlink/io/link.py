@@ -165,6 +165,11 @@ class Link:
     def streams_alive(self) -> int:
         return sum(stream.alive for stream in self._streams)
 
+    def silent_s(self) -> float:
+        """Seconds since any live stream received a byte (a live peer pings idle streams every second)."""
+        last = max((stream.last_rx for stream in self._streams if stream.alive), default=None)
+        return float("inf") if last is None else self.loop.time() - last
+
     @property
     def closed(self) -> bool:
         return self._closing or self.error is not None

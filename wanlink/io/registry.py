@@ -25,8 +25,20 @@ def unregister_server(server) -> None:
 
 
 def stats() -> dict[str, dict]:
-    """Per open link (keyed ``peer/link-id``): bytes, chunks per stream, streams alive, re-queued chunks, rates."""
-    return {link.name: link.stats() for link in list(_links)}
+    """Per open link: bytes, chunks per stream, streams alive, re-queued chunks, rates.
+
+    Keyed ``rank N`` where the layers above labelled the link with its peer's rank (the torch
+    backend does), else ``peer/link-id``; a second link to one rank is keyed ``rank N (peer/link-id)``.
+    """
+    out: dict[str, dict] = {}
+    for link in sorted(_links, key=lambda link: link.name):
+        key = link.name
+        if "peer_rank" in link.labels:
+            key = f"rank {link.labels['peer_rank']}"
+            if key in out:
+                key = f"{key} ({link.name})"
+        out[key] = link.stats()
+    return out
 
 
 async def close_all_on(loop: asyncio.AbstractEventLoop) -> None:
