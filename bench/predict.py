@@ -144,24 +144,28 @@ def worker(args) -> None:
 
 
 PROBE_SIZES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # a direct exchange (as a sparse bucket's), two rings
-PROBE_REPEATS, PROBE_WARMUP = 5, 2
+PROBE_ROUNDS, PROBE_WARMUP = 5, 1  # rounds of every size in turn (medians over the timed ones)
+WARM_BYTES, WARM_REPEATS = 16 * 1024 * 1024, 2  # first: every stream carries chunks, its congestion window grows
 
 
 def lone_allreduce_seconds(dist, torch) -> dict[str, float]:
-    """Median time of lone all-reduces of each of PROBE_SIZES bytes over the configuration's ranks
-    (after warm-up): the calibration runs, separate from the training that is validated."""
-    medians = {}
-    for size in PROBE_SIZES:
-        tensor = torch.ones(size // 4)
-        times = []
-        for repeat in range(PROBE_REPEATS + PROBE_WARMUP):
+    """Median time of lone all-reduces of each of PROBE_SIZES bytes over the configuration's ranks:
+    the calibration runs, separate from the training that is validated. The link is warmed first
+    (training keeps every stream busy; a fresh stream's congestion window starts at 10 segments),
+    then the sizes take turns."""
+    warm = torch.ones(WARM_BYTES // 4)
+    for _ in range(WARM_REPEATS):
+        dist.all_reduce(warm)
+    tensors = {size: torch.ones(size // 4) for size in PROBE_SIZES}
+    times: dict = {size: [] for size in PROBE_SIZES}
+    for round_ in range(PROBE_ROUNDS + PROBE_WARMUP):
+        for size, tensor in tensors.items():
             dist.barrier()
             begin = time.perf_counter()
             dist.all_reduce(tensor)
-            if repeat >= PROBE_WARMUP:
-                times.append(time.perf_counter() - begin)
-        medians[str(size)] = statistics.median(times)
-    return medians
+            if round_ >= PROBE_WARMUP:
+                times[size].append(time.perf_counter() - begin)
+    return {str(size): statistics.median(values) for size, values in times.items()}
 
 
 def _lone_probes(row: dict) -> dict[int, float]:
