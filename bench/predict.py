@@ -283,7 +283,8 @@ def predict(row: dict) -> dict:
     calibrated = _cluster(row, row["rate_mbit"], efficiency, overhead_ms)
     measured = row["measured_s"]
     out = {"profile_compute_s": profile.compute_s, "running_compute_s": max(p.compute_s for p in scaled)}
-    for label, cluster in (("", calibrated), ("profile_only_", nominal)):
+    probed = _cluster(row, row["link_mbit"], 1.0)  # the link as a probe reports it: wanlink-iperf's goodput
+    for label, cluster in (("", calibrated), ("profile_only_", nominal), ("iperf_", probed)):
         fine, rough = simulate(cluster, profile, choice), coarse(cluster, profile, choice)
         out.update({f"{label}fine_s": fine.iteration_s, f"{label}coarse_s": rough.iteration_s,
                     f"{label}fine_error": (fine.iteration_s - measured) / measured,
@@ -315,6 +316,9 @@ def plot(run, rows: list[dict], name: str):
     return run.save_figure(fig, name)
 
 
+KEYS = ("fine", "coarse", "profile_only_fine", "profile_only_coarse", "iperf_fine", "iperf_coarse")
+
+
 def report(run, rows: list[dict], load: dict | list, name: str) -> None:
     from bench.reporting import print_table
 
@@ -322,21 +326,24 @@ def report(run, rows: list[dict], load: dict | list, name: str) -> None:
         row.update(predict(row))
         row["fine_error_pct"], row["coarse_error_pct"] = 100 * row["fine_error"], 100 * row["coarse_error"]
         row["profile_only_fine_error_pct"] = 100 * row["profile_only_fine_error"]
+        row["iperf_fine_error_pct"] = 100 * row["iperf_fine_error"]
     print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
                        ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
                        ("running_compute_s", "running compute s", ".3f"), ("measured_s", "measured s", ".3f"),
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
                        ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
                        ("profile_only_fine_s", "fine, profile only s", ".3f"),
-                       ("profile_only_fine_error_pct", "err %", "+.1f"), ("iperf_efficiency", "iperf/nominal", ".2f"),
+                       ("profile_only_fine_error_pct", "err %", "+.1f"),
+                       ("iperf_fine_s", "fine, iperf link s", ".3f"), ("iperf_fine_error_pct", "err %", "+.1f"),
+                       ("iperf_efficiency", "iperf/nominal", ".2f"),
                        ("efficiency", "fitted eff", ".2f"), ("send_overhead_ms", "overhead ms", ".1f")])
     summary = {}
-    for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"):
+    for key in KEYS:
         errors = [abs(r[f"{key}_error"]) for r in rows]
         summary.update({f"{key}_mean_abs_error": statistics.mean(errors), f"{key}_max_abs_error": max(errors)})
     print("\n" + "; ".join(f"{key.replace('_', ' ')}: mean |error| {100 * summary[key + '_mean_abs_error']:.1f} %, "
                            f"max {100 * summary[key + '_max_abs_error']:.1f} %"
-                           for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"))
+                           for key in KEYS)
           + f"; load {load}")
     print("wrote", run.save_json(name, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST}))
     print("wrote", plot(run, rows, name))
