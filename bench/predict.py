@@ -15,6 +15,8 @@ speed during training (from the forward passes, which do no communication).
 
     sudo python3 dev.py bench bench/predict.py [--only NAME...] [--out DIR | --publish]
     python3 dev.py bench bench/predict.py --predict-only --out bench/results
+    sudo python3 dev.py bench bench/predict.py --only A B --append --out DIR   (then C D ..., the same DIR)
+    python3 dev.py bench bench/predict.py --predict-only --from DIR/predict.json --publish
 
 ``--predict-only`` recomputes the predictions from the measured runs saved in <out>/predict.json
 (no emulator needed). Writes <out>/predict.{json,png} (bench/results/ with ``--publish``). The
@@ -53,7 +55,7 @@ def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8
     order = order or ("fcfs" if density is None else "edf")  # dense DDP all-reduces carry no deadline
     return {"name": name, "ranks": ranks, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "density": density,
             "staleness": staleness, "streams": streams, "order": order, "bucket_cap_mb": bucket_cap_mb,
-            "iterations": iterations or (10 if density is None and rate_mbit <= 100 else 20)}
+            "iterations": iterations or (12 if density is None and rate_mbit <= 100 else 30)}
 
 
 CONFIGS = [
@@ -117,51 +119,94 @@ def worker(args) -> None:
         if config["order"] == "fcfs":  # every exchange gets one deadline: the link serves them in launch order
             real_scope = sparse_hook.deadline_scope
             sparse_hook.deadline_scope = lambda _deadline: real_scope(1)
-        state = sparse_hook.BlockSparseState(density=config["density"], staleness=config["staleness"])
+        # momentum goes into the hook (SGD's own momentum on error-feedback updates diverges: docs/sparse.md)
+        state = sparse_hook.BlockSparseState(density=config["density"], staleness=config["staleness"], momentum=0.9)
         ddp.register_comm_hook(state, sparse_hook.block_sparse_hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.0 if state is not None else 0.9)
     dist.barrier()
-    seconds, forward = [], []
+    seconds, forward, backward = [], [], []
     for _ in range(config["iterations"]):
         begin = time.perf_counter()
         optimizer.zero_grad()
         loss = default_loss(ddp(batch[0]), batch)
         forward.append(time.perf_counter() - begin)
-        loss.backward()
+        loss.backward()  # DDP's backward returns once every bucket's collective has ended
+        backward.append(time.perf_counter() - begin - forward[-1])
         optimizer.step()
         seconds.append(time.perf_counter() - begin)
     if state is not None and state.flush():
         optimizer.step()
     dist.barrier()
     Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(), "seconds": seconds,
-                                             "forward": forward, "probe_allreduce_s": probe_s}))
+                                             "forward": forward, "backward": backward,
+                                             "lone_allreduce_s": probe_s}))
     dist.destroy_process_group()
 
 
-PROBE_BYTES, PROBE_REPEATS = 4 * 1024 * 1024, 5
+PROBE_SIZES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # a direct exchange (as a sparse bucket's), two rings
+PROBE_ROUNDS, PROBE_WARMUP = 5, 1  # rounds of every size in turn (medians over the timed ones)
+WARM_BYTES, WARM_REPEATS = 16 * 1024 * 1024, 2  # first: every stream carries chunks, its congestion window grows
 
 
-def lone_allreduce_seconds(dist, torch) -> float:
-    """Median time of a lone 4 MiB all-reduce over the configuration's ranks (after warm-up)."""
-    tensor = torch.ones(PROBE_BYTES // 4)
-    times = []
-    for repeat in range(PROBE_REPEATS + 3):
-        dist.barrier()
-        begin = time.perf_counter()
-        dist.all_reduce(tensor)
-        if repeat >= 3:
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+def lone_allreduce_seconds(dist, torch) -> dict[str, float]:
+    """Median time of lone all-reduces of each of PROBE_SIZES bytes over the configuration's ranks:
+    the calibration runs, separate from the training that is validated. The link is warmed first
+    (training keeps every stream busy; a fresh stream's congestion window starts at 10 segments),
+    then the sizes take turns."""
+    warm = torch.ones(WARM_BYTES // 4)
+    for _ in range(WARM_REPEATS):
+        dist.all_reduce(warm)
+    tensors = {size: torch.ones(size // 4) for size in PROBE_SIZES}
+    times: dict = {size: [] for size in PROBE_SIZES}
+    for round_ in range(PROBE_ROUNDS + PROBE_WARMUP):
+        for size, tensor in tensors.items():
+            dist.barrier()
+            begin = time.perf_counter()
+            dist.all_reduce(tensor)
+            if round_ >= PROBE_WARMUP:
+                times[size].append(time.perf_counter() - begin)
+    return {str(size): statistics.median(values) for size, values in times.items()}
 
 
-def send_overhead_ms(row: dict) -> float:
-    """The per-step send overhead that makes the model's lone 4 MiB all-reduce last as long as the
-    ranks measured it (the model's time is linear in the overhead)."""
+def _lone_probes(row: dict) -> dict[int, float]:
+    """Bytes -> measured seconds of the row's lone all-reduces (rows measured before 2026-11-26: 4 MiB only)."""
+    if "lone_allreduce_s" in row:
+        return {int(size): seconds for size, seconds in row["lone_allreduce_s"].items()}
+    return {4 * 1024 * 1024: row["probe_allreduce_s"]}
+
+
+EFFICIENCIES = [e / 100 for e in range(20, 101)]  # of the nominal rate; a cluster allows (0, 1]
+
+
+def calibrate_link(row: dict, choice) -> tuple[float, float]:
+    """(efficiency, send overhead in ms) of the path, fitted to the lone all-reduces the row's ranks
+    timed before training (never to the training iterations): for each efficiency on a grid, the
+    overhead (>= 0) that best fits (the model's time is linear in it), and the pair with the least
+    squared relative error over the probe sizes."""
+    from dataclasses import replace
+
     from wanlink.plan import Bucket, Profile, simulate
 
-    lone = Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(PROBE_BYTES, 0.0, (PROBE_BYTES // 4,)),))
-    at = [simulate(_cluster(row, row["link_mbit"], 1.0, ms), lone).iteration_s for ms in (0.0, 1.0)]
-    return max(0.0, (row["probe_allreduce_s"] - at[0]) / (at[1] - at[0]))
+    probes = _lone_probes(row)
+    dense = replace(choice, density=None, staleness=0, order="fcfs")
+    best = None
+    for efficiency in EFFICIENCIES:
+        base, slope = [], []
+        for size in probes:
+            lone = Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(size, 0.0, (size // 4,)),))
+            at = [simulate(_cluster(row, row["rate_mbit"], efficiency, ms), lone, dense, iterations=2).iteration_s
+                  for ms in (0.0, 1.0)]
+            base.append(at[0])
+            slope.append(at[1] - at[0])
+        measured = list(probes.values())
+        # minimise sum(((base + slope x) - m) / m)^2 over x >= 0
+        num = sum(s * (m - b) / m ** 2 for b, s, m in zip(base, slope, measured))
+        den = sum(s * s / m ** 2 for s, m in zip(slope, measured))
+        overhead = max(0.0, num / den) if den > 0 else 0.0
+        error = sum(((b + s * overhead) - m) ** 2 / m ** 2 for b, s, m in zip(base, slope, measured))
+        if best is None or error < best[0]:
+            best = (error, efficiency, overhead)
+    return best[1], best[2]
 
 
 def wanlink_collective(ranks: int) -> str:
@@ -197,7 +242,8 @@ def measure(path, config: dict, port: int) -> dict:
             "per_rank_median_s": per_rank,
             "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
-            "probe_allreduce_s": results[0]["probe_allreduce_s"]}
+            "train_backward_s": [statistics.median(r["backward"][SKIP_FIRST:]) for r in results],
+            "lone_allreduce_s": results[0]["lone_allreduce_s"]}
 
 
 def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
@@ -212,14 +258,15 @@ def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float 
 
 
 def predict(row: dict) -> dict:
-    """Coarse and fine predictions for a measured row.
+    """Coarse and fine predictions for a measured row, from inputs measured apart from its training.
 
-    "profile only": the slowest rank's pre-run profile and the path's nominal settings. The
-    headline ("calibrated") uses three more measured inputs: the path's goodput as wanlink-iperf
-    measured it with 8 streams before the path's configurations; the send overhead, from a lone
-    4 MiB all-reduce the configuration's own ranks timed just before profiling; and the compute
-    speed during training (the profile scaled by the ratio of the ranks' median forward time in
-    training to the profiled one; forward passes do no communication).
+    "profile only": the slowest rank's pre-run profile and the path's nominal settings (rate x
+    1448/1500, the emulator's 1536 KiB window, no overhead). The headline ("calibrated") uses the
+    same profile and the path as the calibration runs measured it: the efficiency and per-step send
+    overhead that make the model's lone all-reduces of PROBE_SIZES last as long as the row's ranks
+    measured them just before profiling (``calibrate_link``). Nothing is fitted to the training
+    iterations. ``running_compute_s`` (the profile scaled by the forward passes timed during
+    training) is reported to show how much compute slows under communication; no prediction uses it.
     """
     from wanlink.plan import Choice, coarse, profile_from_json, simulate
 
@@ -230,13 +277,15 @@ def predict(row: dict) -> dict:
     profile = max(profiles, key=lambda p: p.compute_s)
     nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
     scaled = [p.scaled(speed=p.forward_s / measured) for p, measured in zip(profiles, row["train_forward_s"])]
-    running = max(scaled, key=lambda p: p.compute_s)
-    row["send_overhead_ms"] = send_overhead_ms(row)
-    calibrated = _cluster(row, row["link_mbit"], 1.0, row["send_overhead_ms"])
+    efficiency, overhead_ms = calibrate_link(row, choice)
+    row.update(efficiency=efficiency, send_overhead_ms=overhead_ms,
+               iperf_efficiency=row["link_mbit"] / row["rate_mbit"])
+    calibrated = _cluster(row, row["rate_mbit"], efficiency, overhead_ms)
     measured = row["measured_s"]
-    out = {"profile_compute_s": profile.compute_s, "running_compute_s": running.compute_s}
-    for label, cluster, prof in (("", calibrated, running), ("profile_only_", nominal, profile)):
-        fine, rough = simulate(cluster, prof, choice), coarse(cluster, prof, choice)
+    out = {"profile_compute_s": profile.compute_s, "running_compute_s": max(p.compute_s for p in scaled)}
+    probed = _cluster(row, row["link_mbit"], 1.0)  # the link as a probe reports it: wanlink-iperf's goodput
+    for label, cluster in (("", calibrated), ("profile_only_", nominal), ("iperf_", probed)):
+        fine, rough = simulate(cluster, profile, choice), coarse(cluster, profile, choice)
         out.update({f"{label}fine_s": fine.iteration_s, f"{label}coarse_s": rough.iteration_s,
                     f"{label}fine_error": (fine.iteration_s - measured) / measured,
                     f"{label}coarse_error": (rough.iteration_s - measured) / measured})
@@ -267,27 +316,34 @@ def plot(run, rows: list[dict], name: str):
     return run.save_figure(fig, name)
 
 
-def report(run, rows: list[dict], load: dict, name: str) -> None:
+KEYS = ("fine", "coarse", "profile_only_fine", "profile_only_coarse", "iperf_fine", "iperf_coarse")
+
+
+def report(run, rows: list[dict], load: dict | list, name: str) -> None:
     from bench.reporting import print_table
 
     for row in rows:
         row.update(predict(row))
         row["fine_error_pct"], row["coarse_error_pct"] = 100 * row["fine_error"], 100 * row["coarse_error"]
         row["profile_only_fine_error_pct"] = 100 * row["profile_only_fine_error"]
+        row["iperf_fine_error_pct"] = 100 * row["iperf_fine_error"]
     print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
                        ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
                        ("running_compute_s", "running compute s", ".3f"), ("measured_s", "measured s", ".3f"),
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
                        ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
                        ("profile_only_fine_s", "fine, profile only s", ".3f"),
-                       ("profile_only_fine_error_pct", "err %", "+.1f"), ("send_overhead_ms", "overhead ms", ".1f")])
+                       ("profile_only_fine_error_pct", "err %", "+.1f"),
+                       ("iperf_fine_s", "fine, iperf link s", ".3f"), ("iperf_fine_error_pct", "err %", "+.1f"),
+                       ("iperf_efficiency", "iperf/nominal", ".2f"),
+                       ("efficiency", "fitted eff", ".2f"), ("send_overhead_ms", "overhead ms", ".1f")])
     summary = {}
-    for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"):
+    for key in KEYS:
         errors = [abs(r[f"{key}_error"]) for r in rows]
         summary.update({f"{key}_mean_abs_error": statistics.mean(errors), f"{key}_max_abs_error": max(errors)})
     print("\n" + "; ".join(f"{key.replace('_', ' ')}: mean |error| {100 * summary[key + '_mean_abs_error']:.1f} %, "
                            f"max {100 * summary[key + '_max_abs_error']:.1f} %"
-                           for key in ("fine", "coarse", "profile_only_fine", "profile_only_coarse"))
+                           for key in KEYS)
           + f"; load {load}")
     print("wrote", run.save_json(name, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST}))
     print("wrote", plot(run, rows, name))
@@ -408,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--predict-only", action="store_true",
                         help="recompute predictions from the measured rows in <out>/<name>.json")
     parser.add_argument("--name", default="predict", help="file name of the JSON and PNG")
+    parser.add_argument("--append", action="store_true",
+                        help="merge this call's rows into <out>/<name>.json (rows of the same name are replaced), "
+                             "so that the configurations can be measured in several short calls")
+    parser.add_argument("--from", dest="source", type=Path,
+                        help="the saved rows to read with --predict-only / --append (default <out>/<name>.json)")
     parser.add_argument("--allocation", action="store_true",
                         help="instead: the heterogeneous batch allocation bench (loopback, no emulator)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -431,15 +492,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.allocation:
         allocation_bench(run, args.name if args.name != "predict" else "predict_allocation")
         return 0
+    saved_file = args.source or run.out / f"{args.name}.json"
     if args.predict_only:
-        saved = json.loads((run.out / f"{args.name}.json").read_text())
+        saved = json.loads(Path(saved_file).read_text())
         report(run, saved["rows"], saved["load"], args.name)
         return 0
     from bench.wan_throughput import run_wanlink
     from bench.wanem.netns import WanPath
 
     chosen = [c for c in CONFIGS if not args.only or c["name"] in args.only]
-    load = {"before": os.getloadavg()[0]}
+    load = {"before": os.getloadavg()[0], "configurations": [c["name"] for c in chosen]}
     rows = []
     paths = sorted({(c["rtt_ms"], c["rate_mbit"]) for c in chosen})
     for rtt_ms, rate_mbit in paths:
@@ -454,12 +516,25 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(path, config, 29700 + len(rows))
                 row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit)
                 rows.append(row)
-                print(f"{config['name']}: {row['measured_s']:.3f} s/iteration, lone 4 MiB all-reduce "
-                      f"{row['probe_allreduce_s'] * 1e3:.0f} ms ({row['wall_s']:.0f} s, load {row['load1']:.2f})",
+                lone = ", ".join(f"{int(size) >> 10} KiB {seconds * 1e3:.0f} ms"
+                                 for size, seconds in row["lone_allreduce_s"].items())
+                print(f"{config['name']}: {row['measured_s']:.3f} s/iteration, lone all-reduces {lone} "
+                      f"({row['wall_s']:.0f} s, load {row['load1']:.2f})",
                       flush=True)
     load["after"] = os.getloadavg()[0]
-    report(run, rows, load, args.name)
+    calls = [load]
+    if args.append and Path(saved_file).exists():  # this call's rows replace the saved ones of the same name
+        saved = json.loads(Path(saved_file).read_text())
+        calls = _calls(saved["load"]) + calls
+        rows += [r for r in saved["rows"] if r["name"] not in {c["name"] for c in chosen}]
+        rows.sort(key=lambda r: [c["name"] for c in CONFIGS].index(r["name"]))
+    report(run, rows, calls if args.append else load, args.name)
     return 0
+
+
+def _calls(load) -> list[dict]:
+    """The load of each bench call that measured rows of a saved file (one dict: one call)."""
+    return load if isinstance(load, list) else [load]
 
 
 if __name__ == "__main__":

@@ -150,3 +150,56 @@ def test_bucket_assignment_matches_ddp():
     ours = assign_buckets([t.numel() * 4 for t in tensors], 25 * 1024 * 1024, 1024 * 1024)
     theirs, _limits = _compute_bucket_assignment_by_size(tensors, [1024 * 1024, 25 * 1024 * 1024])
     assert ours == [list(b) for b in theirs]
+
+
+def test_predict_from_a_live_probe_and_a_saved_one(files, tmp_path, monkeypatch, capsys):
+    """--probe HOST:PORT probes a real wanlink server (loopback) and predicts for two sites joined by
+    what it measured; --probe-json reads the same figures back from a file."""
+    import asyncio
+    import threading
+
+    import wanlink
+
+    _cluster, profile = files
+    monkeypatch.setenv("WANLINK_SECRET", "plan-probe-test")
+    loop = asyncio.new_event_loop()
+    links = []
+    server = loop.run_until_complete(wanlink.serve("127.0.0.1", 0, secret=b"plan-probe-test", on_link=links.append))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert main(["predict", "--probe", f"127.0.0.1:{server.port}", "--probe-max-streams", "2",
+                     "--ranks-per-site", "2", "--profile", str(profile), "-J"]) == 0
+    finally:
+        loop.call_soon_threadsafe(server.close)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["world_size"] == 4 and doc["cluster"].startswith("probe of 127.0.0.1:")
+    assert doc["rows"][0]["streams"] in (1, 2) and doc["rows"][0]["fine_s"] > 0
+    assert "probed 127.0.0.1" in captured.err
+    saved = tmp_path / "iperf.json"
+    saved.write_text(json.dumps({"wanlink": {"probe": {"streams": 4, "rtt_ms": 40.0, "bits_per_second": 4e8}}}))
+    assert main(["predict", "--probe-json", str(saved), "--profile", str(profile), "-J"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[0]["streams"] == 4 and rows[0]["fine_s"] > 0.04  # at least the 40 ms RTT
+
+
+def test_predict_link_figures_errors(files, tmp_path, capsys):
+    cluster, profile = files
+    assert main(["predict", "--profile", str(profile)]) == 2
+    assert "exactly one of CLUSTER" in capsys.readouterr().err
+    assert main(["predict", str(cluster), "--probe", "h:1", "--profile", str(profile)]) == 2
+    assert "got CLUSTER and --probe" in capsys.readouterr().err
+    assert main(["predict", "--probe", "nohost", "--profile", str(profile)]) == 2
+    assert "expected HOST:PORT" in capsys.readouterr().err
+    from tests.support.ports import refused_port
+
+    with refused_port() as port:
+        assert main(["predict", "--probe", f"127.0.0.1:{port}", "--profile", str(profile)]) == 2
+    assert "wanlink-iperf -s" in capsys.readouterr().err
+    unprobed = tmp_path / "unprobed.json"
+    unprobed.write_text(json.dumps({"wanlink": {"probe": None, "streams": 8}}))
+    assert main(["predict", "--probe-json", str(unprobed), "--profile", str(profile)]) == 2
+    assert "did not probe" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     wanlink-plan profile mypkg.models:make -o profile.json
     wanlink-plan predict cluster.toml --profile profile.json --streams 1,8 --density dense,0.01 --staleness 0,1
+    wanlink-plan predict --probe peer.example:5201 --ranks-per-site 4 --profile profile.json
     wanlink-plan sites cluster.toml --profile profile.json --global-batch 512
     wanlink-plan simulate --ranks 1024 --sites 4 --rtt 40ms --rate "10 Gbit/s" --profile profile.json
 
@@ -20,7 +21,7 @@ import time
 from wanlink.errors import ConfigError
 from wanlink.plan.allocate import equal_split
 from wanlink.plan.choice import Choice
-from wanlink.plan.cluster import cluster_from_dict, load_cluster
+from wanlink.plan.cluster import Cluster, cluster_from_dict, load_cluster
 from wanlink.plan.coarse import coarse
 from wanlink.plan.profile import Bucket, Profile, load_profile
 from wanlink.plan.simulate import simulate
@@ -107,8 +108,57 @@ def _choices(args, cluster, profile) -> list[tuple[Choice, str]]:
     return out
 
 
+def _probe_cluster(args):
+    """The cluster ``predict`` describes: a TOML file, a live probe of a wanlink peer, or a saved probe."""
+    given = [name for name, value in (("CLUSTER", args.cluster), ("--probe", args.probe),
+                                      ("--probe-json", args.probe_json)) if value]
+    if len(given) != 1:
+        raise ConfigError("predict needs exactly one of CLUSTER (a TOML description), --probe HOST:PORT or "
+                          f"--probe-json FILE, got {' and '.join(given) or 'none'}")
+    if args.ranks_per_site < 1:
+        raise ConfigError(f"--ranks-per-site must be >= 1, got {args.ranks_per_site}")
+    if args.cluster:
+        return load_cluster(args.cluster), args.cluster
+    if args.probe_json:
+        try:
+            doc = json.loads(open(args.probe_json).read())
+        except OSError as error:
+            raise ConfigError(f"cannot read --probe-json {args.probe_json}: {error.strerror}") from None
+        except ValueError as error:
+            raise ConfigError(f"--probe-json {args.probe_json}: not JSON ({error})") from None
+        if isinstance(doc, dict) and isinstance(doc.get("wanlink"), dict):  # wanlink-iperf -J: its probe
+            doc = doc["wanlink"].get("probe")
+            if not doc:
+                raise ConfigError(f"--probe-json {args.probe_json}: this wanlink-iperf run did not probe (it was given "
+                                  "-P or WANLINK_STREAMS); run it without either to have the streams probed")
+        probe, source = doc, args.probe_json
+    else:
+        probe, source = probe_peer(args.probe, args.probe_max_streams), f"probe of {args.probe}"
+        print(f"probed {args.probe}: {probe.streams} streams, RTT {probe.rtt_s * 1e3:.1f} ms, "
+              f"{probe.bits_per_second / 1e6:.0f} Mbit/s", file=sys.stderr)
+    return Cluster.from_probe(probe, ranks_per_site=args.ranks_per_site), source
+
+
+def probe_peer(address: str, max_streams: int = 16):
+    """Probe a live wanlink peer (``wanlink-iperf -s`` or any wanlink server) at ``HOST:PORT``: the
+    stream count wanlink would choose for it, the RTT and the rate delivered at that count."""
+    import asyncio
+
+    from wanlink.endpoints import choose_streams
+    from wanlink.errors import WanlinkError
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"--probe: expected HOST:PORT, got {address!r}")
+    try:
+        return asyncio.run(choose_streams(host.strip("[]"), int(port), max_streams=max_streams))
+    except (OSError, WanlinkError) as error:
+        raise ConfigError(f"--probe {address}: cannot probe a wanlink server there ({error}); start one on the "
+                          "peer with 'wanlink-iperf -s -p PORT'") from None
+
+
 def cmd_predict(args) -> int:
-    cluster = load_cluster(args.cluster)
+    cluster, source = _probe_cluster(args)
     profile = load_profile(args.profile)
     rows, fastest = [], None
     for choice, split in _choices(args, cluster, profile):
@@ -123,7 +173,7 @@ def cmd_predict(args) -> int:
         if fastest is None or fine.iteration_s < fastest.iteration_s:
             fastest = fine
     if args.json:
-        print(json.dumps({"cluster": args.cluster, "profile": args.profile, "world_size": cluster.world_size,
+        print(json.dumps({"cluster": source, "profile": args.profile, "world_size": cluster.world_size,
                           "rows": rows}, indent=1))
     else:
         print(f"{cluster.world_size} ranks in {len(cluster.sites)} sites; {profile.model}, batch {profile.batch_size} "
@@ -224,7 +274,14 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_profile)
 
     p = commands.add_parser("predict", help="iteration time on a cluster for every combination of choices")
-    p.add_argument("cluster", help="cluster description (TOML)")
+    p.add_argument("cluster", nargs="?", help="cluster description (TOML); or --probe / --probe-json")
+    p.add_argument("--probe", metavar="HOST:PORT",
+                   help="instead of CLUSTER: probe a live wanlink server (e.g. 'wanlink-iperf -s') for the link's "
+                        "streams, RTT and rate; two sites of --ranks-per-site ranks joined by that link")
+    p.add_argument("--probe-json", metavar="FILE",
+                   help="instead of CLUSTER: a saved probe result (ProbeResult.to_json(), or wanlink-iperf -J)")
+    p.add_argument("--ranks-per-site", type=int, default=1, help="with --probe / --probe-json (default 1)")
+    p.add_argument("--probe-max-streams", type=int, default=16, help="--probe tries 1, 2, 4, ... up to this many")
     p.add_argument("--profile", required=True, help="a profile written by 'wanlink-plan profile'")
     p.add_argument("--streams", default=None, help="comma-separated stream counts (default: the cluster's)")
     p.add_argument("--density", default="dense", help="comma-separated: dense and/or densities, e.g. dense,0.01")

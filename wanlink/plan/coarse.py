@@ -31,8 +31,18 @@ ARCHITECTURES = ("ring", "ps")
 
 def collective_seconds(net: Network, phases) -> float:
     """A bucket's collective alone on the network: its phases one after another, each as long as
-    its slowest transfer."""
-    return sum(max(t.duration_alone(net.capacity) for t in phase) for phase in phases)
+    its slowest transfer, or as its busiest resource needs for the bytes all its transfers put on
+    it (the cells of a site collective share the WAN path), plus the phase's delays."""
+    total = 0.0
+    for phase in phases:
+        load: dict = {}
+        for t in phase:
+            for resource, count in t.usage.items():
+                load[resource] = load.get(resource, 0.0) + count * t.edge_bytes
+        shared = max((nbytes / net.capacity[r] for r, nbytes in load.items() if nbytes), default=0.0)
+        total += max(max(t.duration_alone(net.capacity) for t in phase),
+                     shared + max(t.latency_s for t in phase))
+    return total
 
 
 def collective_latency(phases) -> float:
