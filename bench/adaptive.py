@@ -92,8 +92,10 @@ def worker(args) -> None:
         else:
             optimizer.step()
         end = time.monotonic()
+        estimate = state.density_stats().get("bandwidth_Bps") if state is not None else None
         records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
-                        "density": None if state is None else state.density})
+                        "density": None if state is None else state.density,
+                        "estimate_mbit": None if estimate is None else 8 * estimate / 1e6})
     if state is not None and state.flush():
         optimizer.step(sparse_grads=state.sparse_grads())
     if args.rank == 0:
