@@ -332,6 +332,7 @@ def plot_timeline(run, rows: list[dict], name: str, window: int = 4) -> Path | N
             ax.plot([], [], "o-", color=colour, label=f"{row['chunk_order']}: last byte arrived -> | forward needs "
                     f"it (median slack {1000 * statistics.median(slacks):.0f} ms, min {1000 * min(slacks):.0f} ms)")
         ax.set_title(f"{variant} @ {rate:g} Mbit/s: iterations {first}-{first + window - 1}", fontsize=9)
+        ax.set_yticks(sorted({i["layer"] for r in traced for i in slack_of(r)}))
         ax.set_ylabel("layer (0 = first in forward)")
         ax.set_xlabel("seconds since the window's first arrival")
         legend_outside(ax, fontsize=7)

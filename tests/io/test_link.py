@@ -588,3 +588,20 @@ async def test_errors_name_the_rank_the_layers_above_labelled(pair):
     await pair.accepted.close()
     with pytest.raises(PeerLost, match=r"link to rank 2 at 10\.0\.0\.9:29500 \(127\.0\.0\.1:\d+\) failed"):
         await asyncio.wait_for(pair.client.recv_into(bytearray(4), tag=9), 30)
+
+
+async def test_sending_time_counts_each_busy_period_until_its_last_ack(pair):
+    """Link.sending (what density="auto" reads): a period from the first send while idle until
+    everything sent is acknowledged; the acked bytes count at its end."""
+    assert pair.client.sending.reading() == (0, 0.0, 0)
+    out = bytearray(300_000)
+    await asyncio.gather(pair.client.send(b"x" * 200_000, tag=3), pair.client.send(b"y" * 100_000, tag=4),
+                         pair.accepted.recv_into(memoryview(out)[:200_000], tag=3),
+                         pair.accepted.recv_into(memoryview(out)[200_000:], tag=4))
+    acked, busy, periods = pair.client.sending.reading()
+    assert (acked, periods) == (300_000, 1) and busy > 0
+    await asyncio.gather(pair.client.send(b"z" * 1000, tag=3), pair.accepted.recv_into(bytearray(1000), tag=3))
+    assert pair.client.sending.reading()[::2] == (301_000, 2)
+    assert pair.accepted.sending.reading() == (0, 0.0, 0)  # it sent nothing but acks
+    rtt = pair.client.min_rtt_s()
+    assert rtt is None or 0 < rtt < 1  # None over Unix sockets

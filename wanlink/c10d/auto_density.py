@@ -169,7 +169,7 @@ class AutoDensity:
         sample = source(now) if source is not None else None
         if sample is not None:
             self.controller.observe_bandwidth(sample, now)
-        if source is self.link_rate and self.link_rate.available:
+        if self.link_rate is not None and source is self.link_rate and self.link_rate.available:
             self.controller.latency_s = self.link_rate.rtt_s
         by_exchanges = self.bandwidth is None and (self.link_rate is None or not self.link_rate.available)
         for finished in sorted(s for s, done in self._done.items() if s < step and done[0] == self._launched.get(s)):
