@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
+import time
 
 from wanlink.errors import ConfigError, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
@@ -182,7 +183,7 @@ class Link:
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
         done = self.loop.create_future()
         self._outgoing[(tag, seq)] = (transfer, done)
-        self.sending.on_send(self.loop.time())
+        self.sending.on_send(time.monotonic())  # not loop.time(): uvloop's ticks are whole milliseconds
         if tag == PROBE_DISCARD_TAG:  # dropped by the peer: no flow control
             self._queue_chunks([(chunk, False) for chunk in transfer.chunks])
         else:
@@ -293,7 +294,7 @@ class Link:
                 del self._outgoing[key]
                 if not self._outgoing:  # nothing left to send: the coming gap is the application's
                     self.delivery.on_idle(now)
-                    self.sending.on_idle(now)
+                    self.sending.on_idle(time.monotonic())
                 if not done.done():
                     done.set_result(None)
         else:
