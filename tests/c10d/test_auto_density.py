@@ -203,3 +203,23 @@ def test_without_links_the_exchange_times_stand_in():
         auto.exchange_done(step, started, 1000, rank0_proposal=0.001)
     assert auto.controller.bandwidth_estimate(clock.now) == pytest.approx(1000 / 0.5)
     assert auto.stats()["bandwidth_source"] == "exchanges"
+
+
+def _auto_on_links(rank, size):
+    from wanlink.c10d.auto_density import group_links
+    from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
+
+    ddp = DDP(_model(), bucket_cap_mb=0.005)
+    state = BlockSparseState(density="auto", min_density=0.01, max_density=0.5)
+    ddp.register_comm_hook(state, block_sparse_hook)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        torch.nn.functional.cross_entropy(ddp(torch.randn(16, 32, generator=g)), torch.randint(0, 10, (16,))).backward()
+    return state.density_stats()["bandwidth_source"], [link.sending.reading() for link in group_links(None)]
+
+
+def test_without_a_bandwidth_source_the_hook_reads_its_groups_links():
+    for source, readings in run_world(2, _auto_on_links):
+        assert source == "link"
+        [(acked, busy, periods)] = readings  # one link, to the other rank
+        assert acked > 0 and busy > 0 and periods >= 5
