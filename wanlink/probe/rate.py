@@ -139,7 +139,7 @@ class BurstRateMeter:
     counters went back, is only a baseline.
     """
 
-    def __init__(self, *, min_busy_s: float = 0.05, resolution_s: float = 0.005):
+    def __init__(self, *, min_busy_s: float = 0.05, resolution_s: float = 0.001):
         if not (min_busy_s > 0 and resolution_s > 0):
             raise ConfigError(f"min_busy_s and resolution_s must be > 0, got {min_busy_s}, {resolution_s}")
         self.min_busy_s, self.resolution_s = float(min_busy_s), float(resolution_s)
