@@ -92,8 +92,10 @@ def worker(args) -> None:
         else:
             optimizer.step()
         end = time.monotonic()
+        estimate = state.density_stats().get("bandwidth_Bps") if state is not None else None
         records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
-                        "density": None if state is None else state.density})
+                        "density": None if state is None else state.density,
+                        "estimate_mbit": None if estimate is None else 8 * estimate / 1e6})
     if state is not None and state.flush():
         optimizer.step(sparse_grads=state.sparse_grads())
     if args.rank == 0:
@@ -167,7 +169,11 @@ def plot(run, rows: list[dict], rates: list[float], phase_s: float, floor_s: flo
     ax_time.set_ylabel("seconds per iteration (log)")
     ax_rate = ax_time.twinx()
     ax_rate.step(edges, [rates[0], *rates], where="pre", color="grey", alpha=0.5)
-    ax_rate.set_ylabel("path rate, Mbit/s (grey)")
+    for row in rows:  # what the controller believed the link delivers (auto only)
+        estimates = [(r["wall"], r["estimate_mbit"]) for r in row["records"] if r.get("estimate_mbit")]
+        if estimates:
+            ax_rate.plot(*zip(*estimates), color="grey", linestyle="--", linewidth=0.8)
+    ax_rate.set_ylabel("path rate, Mbit/s (grey); the controller's estimate (dashed)")
     ax_time.legend(fontsize=7, loc="upper left")
     ax_density.set_yscale("log")
     ax_density.set_ylabel("density in use, % (log)")

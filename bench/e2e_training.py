@@ -59,8 +59,10 @@ def make_model():
 
 
 def timed(hook, clock: dict):
-    """``hook`` wrapped to add its time to clock["hook_s"] and note when a call last returned."""
+    """``hook`` wrapped to add its time to clock["hook_s"], note when a call last returned and which
+    parameters each bucket holds (clock["buckets"]: index -> parameter ids)."""
     def timed_hook(state, bucket):
+        clock["buckets"][bucket.index()] = [id(p) for p in bucket.parameters()]
         start = time.perf_counter()
         future = hook(state, bucket)
         clock["returned"] = time.perf_counter()
@@ -121,13 +123,18 @@ def worker(args) -> None:
         model, batches = mlp_and_batches(args.rank)
     ddp = DDP(model, gradient_as_bucket_view=True) if distributed else model
     state = None
-    clock = {"hook_s": 0.0, "returned": None}
+    clock = {"hook_s": 0.0, "returned": None, "buckets": {}}
+    forwards = []  # (iteration, layer, time its forward began): when the layer needs its parameters
     if variant["density"] is not None:
         # SGD's momentum goes into the hook unless SparseSGD keeps it (docs/sparse.md)
         state = BlockSparseState(density=variant["density"], staleness=variant["staleness"],
                                  sparse_optimizer=variant["sparse_optimizer"],
                                  momentum=0.0 if variant["sparse_optimizer"] else 0.9)
         ddp.register_comm_hook(state, timed(block_sparse_hook, clock))
+        state.exchange_log = []
+        for layer, module in enumerate(m for m in model.modules() if list(m.parameters(recurse=False))):
+            module.register_forward_pre_hook(
+                lambda _m, _in, layer=layer: forwards.append((len(records), layer, time.perf_counter() - start)))
     elif variant["fp16_wire"]:
         ddp.register_comm_hook(None, fp16_compress_hook)
     momentum = 0.0 if state is not None and state.momentum else 0.9
@@ -163,8 +170,16 @@ def worker(args) -> None:
     if distributed:
         dist.barrier()
     params = sum(p.numel() for p in model.parameters())
+    timeline = None
+    if state is not None:
+        layer_of = {id(p): layer for layer, module in enumerate(m for m in model.modules()
+                                                                 if list(m.parameters(recurse=False)))
+                    for p in module.parameters(recurse=False)}
+        bucket_layers = {index: sorted({layer_of[p] for p in ids}) for index, ids in clock["buckets"].items()}
+        timeline = {"arrivals": [(it, index, t - start) for it, index, t in state.exchange_log],
+                    "forwards": forwards, "bucket_layers": bucket_layers}
     if args.rank == 0:
-        Path(args.rank_out).write_text(json.dumps({"records": records, "params": params,
+        Path(args.rank_out).write_text(json.dumps({"records": records, "params": params, "timeline": timeline,
                                               "sparse_bytes_sent": state.bytes_sent if state else None}))
     if distributed:
         dist.destroy_process_group()
@@ -253,6 +268,78 @@ def plot(run, rows: list[dict], name: str) -> Path:
     return run.save_figure(fig, name)
 
 
+def slack_of(row: dict) -> list[dict]:
+    """Per (iteration, bucket): when its exchange's last byte arrived (rank 0) and when the forward
+    that first uses the update began (the bucket's earliest layer, ``1 + staleness`` iterations
+    later); slack = needed - arrived. DDP applies no update before all its buckets arrived, so the
+    slack is never negative: how small it gets says how close the exchange came to the critical path."""
+    timeline = row.get("timeline")
+    if not timeline:
+        return []
+    forward = {(it, layer): t for it, layer, t in timeline["forwards"]}
+    layers = {int(index): layers for index, layers in timeline["bucket_layers"].items()}
+    out = []
+    for it, index, arrived in timeline["arrivals"]:
+        if it < SKIP_FIRST or index not in layers:
+            continue
+        first_layer = min(layers[index])
+        needed = forward.get((it + 1 + row["staleness"], first_layer))
+        if needed is not None:
+            out.append({"iteration": it, "bucket": index, "layer": first_layer, "arrived": arrived,
+                        "needed": needed, "slack": needed - arrived})
+    return out
+
+
+def slack_summary(rows: list[dict]) -> list[dict]:
+    """Median slack per layer for every row with a timeline."""
+    out = []
+    for row in rows:
+        by_layer: dict[int, list[float]] = {}
+        for item in slack_of(row):
+            by_layer.setdefault(item["layer"], []).append(item["slack"])
+        for layer, slacks in sorted(by_layer.items()):
+            out.append({"rate_mbit": row["rate_mbit"], "variant": row["variant"], "chunk_order": row["chunk_order"],
+                        "layer": layer, "median_slack_s": statistics.median(slacks), "min_slack_s": min(slacks)})
+    return out
+
+
+def plot_timeline(run, rows: list[dict], name: str, window: int = 4) -> Path | None:
+    """Per (rate, variant), both chunk orders: for ``window`` steady iterations, when each bucket's
+    last byte arrived (dot) and when the forward that needs it began (bar), per layer."""
+    from bench.reporting import legend_outside, new_figure
+
+    traced = [r for r in rows if r.get("timeline")]
+    configs = list(dict.fromkeys((r["rate_mbit"], r["variant"]) for r in traced))
+    if not configs:
+        return None
+    fig, axes = new_figure(len(configs), 1, figsize=(11, 3.2 * len(configs)), squeeze=False)
+    fig.subplots_adjust(hspace=0.6)
+    orders = {"edf": ("tab:blue", -0.15), "fcfs": ("tab:red", 0.15)}
+    for ax, (rate, variant) in zip(axes[:, 0], configs):
+        for row in (r for r in traced if (r["rate_mbit"], r["variant"]) == (rate, variant)):
+            colour, offset = orders[row["chunk_order"]]
+            items = slack_of(row)
+            first = max(SKIP_FIRST, len(row["records"]) // 2)
+            shown = [i for i in items if first <= i["iteration"] < first + window]
+            if not shown:
+                continue
+            origin = min(i["arrived"] for i in shown)
+            for i in shown:
+                y = i["layer"] + offset
+                ax.plot([i["arrived"] - origin, i["needed"] - origin], [y, y], color=colour, linewidth=0.8)
+                ax.plot(i["arrived"] - origin, y, "o", color=colour, markersize=4)
+                ax.plot(i["needed"] - origin, y, "|", color=colour, markersize=12)
+            slacks = [i["slack"] for i in items]
+            ax.plot([], [], "o-", color=colour, label=f"{row['chunk_order']}: last byte arrived -> | forward needs "
+                    f"it (median slack {1000 * statistics.median(slacks):.0f} ms, min {1000 * min(slacks):.0f} ms)")
+        ax.set_title(f"{variant} @ {rate:g} Mbit/s: iterations {first}-{first + window - 1}", fontsize=9)
+        ax.set_yticks(sorted({i["layer"] for r in traced for i in slack_of(r)}))
+        ax.set_ylabel("layer (0 = first in forward)")
+        ax.set_xlabel("seconds since the window's first arrival")
+        legend_outside(ax, fontsize=7)
+    return run.save_figure(fig, name)
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.reporting import Run, add_output_options, print_table
 
@@ -283,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run = Run(args)
     if args.replot:
-        print("wrote", plot(run, json.loads(args.replot.read_text())["rows"], args.name))
+        saved_rows = json.loads(args.replot.read_text())["rows"]
+        print("wrote", plot(run, saved_rows, args.name), plot_timeline(run, saved_rows, f"{args.name}_timeline"))
         return 0
     from bench.wanem.netns import WanPath
 
@@ -333,8 +421,17 @@ def main(argv: list[str] | None = None) -> int:
                        ("median_hook_s", "hook", ".3f"), ("median_wait_s", "wait", ".3f"),
                        ("median_step_s", "step", ".3f"), ("median_cpu_s", "CPU s", ".3f"),
                        ("final_loss", "final loss", ".2f"), ("dense_floor_s", "dense bw floor s", ".2f")])
-    print("wrote", run.save_json(args.name, {"rows": rows, "skip_first": SKIP_FIRST}))
+    slack = slack_summary(rows)
+    if slack:
+        print("\nper layer: when its bucket's last byte arrived vs when the forward that uses it began (rank 0)")
+        print_table(slack, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("chunk_order", "order", ""),
+                            ("layer", "layer", "d"), ("median_slack_s", "median slack s", ".3f"),
+                            ("min_slack_s", "min slack s", ".3f")])
+    print("wrote", run.save_json(args.name, {"rows": rows, "skip_first": SKIP_FIRST, "slack": slack}))
     print("wrote", plot(run, rows, args.name))
+    timeline = plot_timeline(run, rows, f"{args.name}_timeline")
+    if timeline:
+        print("wrote", timeline)
     return 0
 
 

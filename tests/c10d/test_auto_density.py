@@ -152,3 +152,74 @@ def test_a_steps_bandwidth_sample_charges_one_latency_for_its_overlapping_exchan
     auto.begin_step(2, full_bytes=1e6)
     # 3000 bytes over 0.5 s of exchanges less two of the three 0.1 s latencies
     assert auto.controller.bandwidth_estimate(20.0) == pytest.approx(3000 / 0.3)
+
+
+class _FakeLink:
+    """What LinkDeliveryRate reads of a wanlink Link: its ``sending`` counters and the kernel's min RTT."""
+
+    def __init__(self, rtt_s):
+        from wanlink.probe.rate import SendingTime
+
+        self.sending, self.rtt_s = SendingTime(), rtt_s
+
+    def min_rtt_s(self):
+        return self.rtt_s
+
+    def burst(self, t: float, nbytes: int, seconds: float) -> None:
+        self.sending.on_send(t)
+        self.sending.on_ack(nbytes)
+        self.sending.on_idle(t + seconds)
+
+
+def test_by_default_the_links_busy_periods_feed_the_bandwidth_and_their_rtt_the_latency():
+    from wanlink.c10d.auto_density import AutoDensity, LinkDeliveryRate
+
+    clock, link = FakeClock(), _FakeLink(rtt_s=0.04)
+    auto = AutoDensity(min_density=0.001, max_density=0.1, staleness=1, clock=clock,
+                       link_rate=LinkDeliveryRate(lambda: [link]))
+    for step in range(4):
+        clock.now = step * 1.0
+        auto.begin_step(step, full_bytes=1e6)
+        started = auto.exchange_started(step)
+        link.burst(clock.now, 1_000_000, 0.04 + 0.1)  # 1 MB at 10 MB/s after a 40 ms round trip
+        clock.now += 0.9  # the exchange completes late (a slow peer): not the link's doing
+        auto.exchange_done(step, started, 1_000_000, rank0_proposal=0.001)
+    assert auto.controller.bandwidth_estimate(clock.now) == pytest.approx(10e6)
+    assert auto.controller.latency_s == pytest.approx(0.04)
+    assert auto.stats()["bandwidth_source"] == "link"
+
+
+def test_without_links_the_exchange_times_stand_in():
+    from wanlink.c10d.auto_density import AutoDensity, LinkDeliveryRate
+
+    clock = FakeClock()
+    auto = AutoDensity(min_density=0.001, max_density=0.1, staleness=0, clock=clock,
+                       link_rate=LinkDeliveryRate(lambda: []))  # e.g. a gloo group
+    for step in range(3):
+        clock.now = step * 10.0
+        auto.begin_step(step, full_bytes=1e6)
+        started = auto.exchange_started(step)
+        clock.now += 0.5
+        auto.exchange_done(step, started, 1000, rank0_proposal=0.001)
+    assert auto.controller.bandwidth_estimate(clock.now) == pytest.approx(1000 / 0.5)
+    assert auto.stats()["bandwidth_source"] == "exchanges"
+
+
+def _auto_on_links(rank, size):
+    from wanlink.c10d.auto_density import group_links
+    from wanlink.c10d.sparse_hook import BlockSparseState, block_sparse_hook
+
+    ddp = DDP(_model(), bucket_cap_mb=0.005)
+    state = BlockSparseState(density="auto", min_density=0.01, max_density=0.5)
+    ddp.register_comm_hook(state, block_sparse_hook)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        torch.nn.functional.cross_entropy(ddp(torch.randn(16, 32, generator=g)), torch.randint(0, 10, (16,))).backward()
+    return state.density_stats()["bandwidth_source"], [link.sending.reading() for link in group_links(None)]
+
+
+def test_without_a_bandwidth_source_the_hook_reads_its_groups_links():
+    for source, readings in run_world(2, _auto_on_links):
+        assert source == "link"
+        [(acked, busy, periods)] = readings  # one link, to the other rank
+        assert acked > 0 and busy > 0 and periods >= 5

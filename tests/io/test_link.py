@@ -612,3 +612,20 @@ async def test_a_send_until_written_returns_before_its_ack_and_a_cut_still_deliv
         assert out == original and token == b"acked" and client.stats()["requeued_chunks"] >= 1
         with pytest.raises(ConfigError, match="until"):
             await client.send(b"x", tag=3, until="soon")
+
+
+async def test_sending_time_counts_each_busy_period_until_its_last_ack(pair):
+    """Link.sending (what density="auto" reads): a period from the first send while idle until
+    everything sent is acknowledged; the acked bytes count at its end."""
+    assert pair.client.sending.reading() == (0, 0.0, 0)
+    out = bytearray(300_000)
+    await asyncio.gather(pair.client.send(b"x" * 200_000, tag=3), pair.client.send(b"y" * 100_000, tag=4),
+                         pair.accepted.recv_into(memoryview(out)[:200_000], tag=3),
+                         pair.accepted.recv_into(memoryview(out)[200_000:], tag=4))
+    acked, busy, periods = pair.client.sending.reading()
+    assert (acked, periods) == (300_000, 1) and busy > 0
+    await asyncio.gather(pair.client.send(b"z" * 1000, tag=3), pair.accepted.recv_into(bytearray(1000), tag=3))
+    assert pair.client.sending.reading()[::2] == (301_000, 2)
+    assert pair.accepted.sending.reading() == (0, 0.0, 0)  # it sent nothing but acks
+    rtt = pair.client.min_rtt_s()
+    assert rtt is None or 0 < rtt < 1  # None over Unix sockets

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from wanlink.errors import ConfigError
-from wanlink.probe.rate import DeliveryRateEstimator
+from wanlink.probe.rate import BurstRateMeter, DeliveryRateEstimator, SendingTime
 
 MB = 1_000_000
 
@@ -109,3 +109,47 @@ def test_bad_input():
         est.on_delivery(-1, 6.0)
     with pytest.raises(ConfigError):
         est.on_delivery(1, float("nan"))
+
+
+
+# -- SendingTime and BurstRateMeter: a link's transfer rate from its busy periods, net of their round trips ----
+
+def test_sending_time_counts_busy_periods_and_the_bytes_acked_by_their_end():
+    sending = SendingTime()
+    sending.on_send(1.0)
+    sending.on_send(1.01)  # a second message while busy: the same period
+    sending.on_ack(100)
+    assert sending.reading() == (0, 0.0, 0)  # nothing complete yet
+    sending.on_ack(50)
+    sending.on_idle(1.2)
+    sending.on_idle(5.0)  # idle again without a send: nothing
+    assert sending.reading() == (150, pytest.approx(0.2), 1)
+
+
+def test_burst_rate_meter_takes_one_round_trip_per_burst_off_the_busy_time():
+    meter = BurstRateMeter(min_busy_s=0.05)
+    assert meter.update([("a", 0, 0.0, 0)], rtt_s=0.04) is None  # a baseline only
+    # 10 bursts of 1 MB at 100 MB/s with a 40 ms round trip: 50 ms busy each
+    assert meter.update([("a", 10 * MB, 0.5, 10)], rtt_s=0.04) == pytest.approx(100 * MB)
+
+
+def test_burst_rate_meter_never_claims_more_than_its_bursts_resolve():
+    meter = BurstRateMeter(min_busy_s=0.05, resolution_s=0.005)
+    meter.update([("a", 0, 0.0, 0)], rtt_s=0.04)
+    # 4 bursts of 25 kB, each acked a round trip after it left: the rate is unseen; at most 25 kB per 5 ms
+    assert meter.update([("a", 100_000, 0.16, 4)], rtt_s=0.04) == pytest.approx(100_000 / 0.02)
+
+
+def test_burst_rate_meter_carries_short_busy_time_over_and_rebases_restarted_counters():
+    meter = BurstRateMeter(min_busy_s=0.05)
+    meter.update([("a", 5 * MB, 10.0, 100)], rtt_s=0.0)
+    assert meter.update([("a", 5 * MB + 1000, 10.02, 101)], rtt_s=0.0) is None  # 20 ms busy: too little
+    assert meter.update([("a", 6 * MB, 10.1, 102)], rtt_s=0.0) == pytest.approx(MB / 0.1)
+    # a new link, and a's counters from zero (a new Link): baselines only
+    assert meter.update([("a", 0, 0.0, 0), ("b", 9 * MB, 1.0, 5)], rtt_s=0.0) is None
+    assert meter.update([("a", MB, 0.1, 1), ("b", 9 * MB, 1.0, 5)], rtt_s=0.0) == pytest.approx(MB / 0.1)
+
+
+def test_burst_rate_meter_refuses_non_positive_settings():
+    with pytest.raises(ConfigError, match="min_busy_s and resolution_s"):
+        BurstRateMeter(min_busy_s=0)

@@ -7,13 +7,16 @@ What the hook measures, without extra messages or round trips:
   end of the backward pass (the step's own with staleness 0, the previous step's with staleness 1)
   completed; compute = step time - exposed wait (the hook's own sparsifying stays in: it is on
   the critical path whatever the density);
-- its bandwidth sample: the bytes it sent over the summed durations (launch to completion) of its
-  exchanges, less all but one latency (the shortest recent exchange's duration stands for it: the
-  buckets' exchanges share the link, their latencies overlap). That errs low (a late peer counts
-  as transfer time), so the controller's constraint reads "one latency plus the transfers take at
-  most margin x the overlap window", a fixed point the density approaches from either side;
-  ``bandwidth=`` replaces it with a source of the caller's (a link's delivery-rate estimate, or a
-  simulated schedule).
+- bandwidth, by default from the links (``LinkDeliveryRate``): per step, the bytes the peer
+  acknowledged over the time the link had data unacknowledged, less one round trip (the kernel's
+  minimum RTT) per busy period, as every burst sent after an idle gap pays one before its rate
+  shows (``wanlink.probe.rate.BurstRateMeter``). Time this rank spent computing or waiting for
+  the peer with nothing in flight is not counted, unlike the exchange times, which count a late
+  peer or a busy CPU as a slow link. For a group whose links the hook cannot see (another
+  backend) it falls back to those: the bytes a step sent over the summed durations (launch to
+  completion) of its exchanges, less all but one latency (the shortest recent exchange's duration
+  stands for it). ``bandwidth=`` replaces both with a source of the caller's (a simulated schedule
+  in tests).
 
 Agreement: every rank appends its proposal (a float64) to each bucket message of the all-gather it
 sends anyway; every rank reads rank 0's from the gathered buffer and uses it from ``LAG`` steps
@@ -28,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 
 from wanlink.errors import ConfigError
+from wanlink.probe.rate import BurstRateMeter
 from wanlink.sched.density import DensityController, DensityDecision
 
 logger = logging.getLogger(__name__)
@@ -36,11 +40,52 @@ PROPOSAL_BYTES = 8  # float64 after each bucket's frames
 LAG = 2  # a proposal made at step t applies from step t + LAG
 
 
+class LinkDeliveryRate:
+    """The default bandwidth source: the group's links' busy time (``wanlink.probe.rate.BurstRateMeter``).
+
+    Called once per step (any thread): reads each link's ``sending`` counters and the kernel's
+    minimum RTT of its streams, and returns a sample in bytes/s or None. That RTT is also the
+    controller's ``latency_s``: a step's exchanges pay one round trip on top of their transfer. ``available`` says
+    whether the group had links at the last call (False for a group of another backend: the hook
+    then falls back to its exchange times).
+    """
+
+    def __init__(self, links: Callable[[], list], **meter_options):
+        self.links = links
+        self.meter = BurstRateMeter(**meter_options)
+        self.available = False
+        self.rtt_s = 0.0  # the links' minimum RTT at the last call: the controller's latency
+
+    def __call__(self, _now: float) -> float | None:
+        links = self.links()
+        self.available = bool(links)
+        if not links:
+            return None
+        rtts = [rtt for rtt in (link.min_rtt_s() for link in links) if rtt is not None]
+        self.rtt_s = min(rtts, default=0.0)
+        return self.meter.update([(id(link), *link.sending.reading()) for link in links], self.rtt_s)
+
+
+def group_links(group) -> list:
+    """The live links from this rank to the other members of ``group`` (None: the default group);
+    [] when it is not a wanlink group."""
+    import torch.distributed as dist
+
+    from wanlink.c10d.process_group import ProcessGroupWanlink
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupWanlink):
+        return []
+    peers = (pg.mesh_ranks[rank] for rank in range(pg.group_size) if rank != pg.group_rank)
+    return [link for link in map(pg.mesh.cached, peers) if link is not None]
+
+
 class AutoDensity:
     """Per-rank measurements, the controller, and the agreed density of each step."""
 
     def __init__(self, *, min_density: float, max_density: float, staleness: int, initial: float | None = None,
-                 bandwidth: Callable[[float], float] | None = None, clock: Callable[[], float] = time.monotonic,
+                 bandwidth: Callable[[float], float | None] | None = None,
+                 link_rate: LinkDeliveryRate | None = None, clock: Callable[[], float] = time.monotonic,
                  **controller_options):
         for name, value in (("min_density", min_density), ("max_density", max_density)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
@@ -52,7 +97,7 @@ class AutoDensity:
         self.density = float(initial) if initial is not None else self.min_density
         if not self.min_density <= self.density <= self.max_density:
             raise ConfigError(f"initial density {initial} is outside [{min_density}, {max_density}]")
-        self.bandwidth, self.clock = bandwidth, clock
+        self.bandwidth, self.link_rate, self.clock = bandwidth, link_rate, clock
         self._options = controller_options
         self.controller: DensityController | None = None  # built at the first sparse step (needs the sizes)
         self.last_decision: DensityDecision | None = None
@@ -120,11 +165,16 @@ class AutoDensity:
             compute = now - self._first[previous] - exposed
             if compute > 0:
                 self.controller.observe_compute(compute, now)
-        if self.bandwidth is not None:
-            self.controller.observe_bandwidth(self.bandwidth(now), now)
+        source = self.bandwidth or self.link_rate
+        sample = source(now) if source is not None else None
+        if sample is not None:
+            self.controller.observe_bandwidth(sample, now)
+        if self.link_rate is not None and source is self.link_rate and self.link_rate.available:
+            self.controller.latency_s = self.link_rate.rtt_s
+        by_exchanges = self.bandwidth is None and (self.link_rate is None or not self.link_rate.available)
         for finished in sorted(s for s, done in self._done.items() if s < step and done[0] == self._launched.get(s)):
             count, nbytes, durations, _end = self._done[finished]
-            if self.bandwidth is None and nbytes > 0:  # >= the longest exchange: each lasts >= the shortest
+            if by_exchanges and nbytes > 0:  # >= the longest exchange: each lasts >= the shortest
                 transfer = durations - (count - 1) * min(self._recent_durations)
                 self.controller.observe_bandwidth(nbytes / transfer, now)
             if finished < previous - self.staleness:  # no longer needed for an exposed wait
@@ -153,7 +203,9 @@ class AutoDensity:
     def stats(self) -> dict:
         """The density in use, the changes so far and the controller's latest reasoning."""
         decision = self.last_decision
-        return {"density": self.density, "changes": list(self.changes),
+        source = ("bandwidth=" if self.bandwidth else "link" if self.link_rate is not None and self.link_rate.available
+                  else "exchanges")
+        return {"density": self.density, "changes": list(self.changes), "bandwidth_source": source,
                 "bandwidth_Bps": None if decision is None else decision.bandwidth_Bps,
                 "compute_s": None if decision is None else decision.compute_s,
                 "staleness_needed": bool(decision and decision.staleness_needed)}

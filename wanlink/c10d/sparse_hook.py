@@ -4,7 +4,7 @@
     model.register_comm_hook(state, block_sparse_hook)
 
 ``density="auto"`` (with ``min_density``/``max_density``) lets a controller choose the density per
-step from the measured compute time and exchange rate (wanlink/c10d/auto_density.py): the same
+step from the measured compute time and the links' delivery rate (wanlink/c10d/auto_density.py): the same
 on every rank, switched between steps without losing error feedback.
 
 Per bucket, every gradient tensor is sparsified by its own BlockSparsifier (error feedback kept per
@@ -29,6 +29,7 @@ optimizer, or ``sparse_optimizer=True`` with SparseSGD, whose momentum only move
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
+import time
 import weakref
 
 import numpy as np
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from wanlink.c10d.auto_density import PROPOSAL_BYTES, AutoDensity
+from wanlink.c10d.auto_density import PROPOSAL_BYTES, AutoDensity, LinkDeliveryRate, group_links
 from wanlink.c10d.deadlines import deadline_scope
 from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, encoded_size, scatter_add_
 from wanlink.errors import ConfigError, UnsupportedError
@@ -187,12 +188,14 @@ class BlockSparseState:
                  sparse_optimizer: bool = False, momentum: float = 0.0, min_density: float = 0.001,
                  max_density: float = 0.1, bandwidth=None, controller_options: dict | None = None):
         """``density="auto"``: chosen per step within [min_density, max_density] (see
-        wanlink/c10d/auto_density.py); ``bandwidth`` (a callable of the time, in bytes/s) replaces
-        the measured exchange rate, ``controller_options`` go to ``wanlink.sched.density.DensityController``."""
+        wanlink/c10d/auto_density.py); ``bandwidth`` (a callable of the time returning bytes/s, or
+        None for no sample) replaces the links' measured delivery rate, ``controller_options`` go
+        to ``wanlink.sched.density.DensityController``."""
         self.auto = None
         if density == "auto":
+            link_rate = None if bandwidth else LinkDeliveryRate(lambda: group_links(self.process_group))
             self.auto = AutoDensity(min_density=min_density, max_density=max_density, staleness=staleness,
-                                    bandwidth=bandwidth, **(controller_options or {}))
+                                    bandwidth=bandwidth, link_rate=link_rate, **(controller_options or {}))
             density = self.auto.density
         elif not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
             raise ConfigError(f"density must be in (0, 1] or 'auto', got {density!r}")
@@ -229,6 +232,8 @@ class BlockSparseState:
         self._loaded_velocities: list[torch.Tensor] = []
         self._param_ids: set[int] = set()  # every parameter the hook has seen, for check_optimizer
         self._checked = weakref.WeakSet()  # optimizers found compatible
+        # tracing, off unless set to a list: (iteration, bucket index, time.perf_counter()) as each exchange completes
+        self.exchange_log: list | None = None
         _watch(self)
 
     # -- used by the hook ------------------------------------------------------------------------
@@ -458,6 +463,8 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
             state.auto.exchange_done(iteration, started, sent, codec.proposal_of(gathered, 0, world))
             return decode(future)
 
+    if state.exchange_log is not None:  # tracing: when this bucket's last byte arrived
+        work.get_future().then(lambda _f: state.exchange_log.append((iteration, index, time.perf_counter())))
     exchange = work.get_future().then(finish)
     if state.sparse_optimizer:
         state.apply_step(iteration - state.staleness)

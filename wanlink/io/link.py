@@ -4,11 +4,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
+import time
 
 from wanlink.errors import ConfigError, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, congestion_of, is_local_socket, log, tcp_bytes_acked, tcp_rtt_s,
+    close_quietly, congestion_of, is_local_socket, log, tcp_bytes_acked, tcp_info, tcp_rtt_s,
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
@@ -18,7 +19,7 @@ from wanlink.proto.frames import (
 )
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
-from wanlink.probe.rate import DeliveryRateEstimator
+from wanlink.probe.rate import DeliveryRateEstimator, SendingTime
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
 
@@ -122,6 +123,7 @@ class Link:
         self._rtt_s: float | None = None  # smallest kernel RTT over the streams (TCP only)
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
         self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
+        self.sending = SendingTime()  # busy periods of what we send (density="auto" reads it)
 
     def record_send_order(self, maxlen: int = 100_000) -> collections.deque:
         """Start logging the order in which chunks leave (for tests and tracing); returns the log."""
@@ -196,6 +198,7 @@ class Link:
         transfer.settle_written = until == "written"
         done = self.loop.create_future()
         self._outgoing[(tag, seq)] = (transfer, done)
+        self.sending.on_send(time.monotonic())  # not loop.time(): uvloop's ticks are whole milliseconds
         if tag == PROBE_DISCARD_TAG:  # dropped by the peer: no flow control
             self._queue_chunks([(chunk, False) for chunk in transfer.chunks])
         else:
@@ -317,10 +320,12 @@ class Link:
             stream.in_flight.pop((header.tag, header.seq, header.offset), None)
             now = self.loop.time()
             self.delivery.on_delivery(header.raw_len, now)
+            self.sending.on_ack(header.raw_len)
             if transfer.complete:
                 del self._outgoing[key]
                 if not self._outgoing:  # nothing left to send: the coming gap is the application's
                     self.delivery.on_idle(now)
+                    self.sending.on_idle(time.monotonic())
                 if not done.done():
                     done.set_result(None)
             elif transfer.settle_written and not transfer.unwritten:
@@ -595,6 +600,11 @@ class Link:
                     return None
                 total += acked
         return total
+
+    def min_rtt_s(self) -> float | None:
+        """The smallest minimum RTT the kernel saw on any live TCP stream (seconds); None where unknown."""
+        infos = (tcp_info(stream.sock) for stream in self._streams if stream.alive)
+        return min((info.min_rtt / 1e6 for info in infos if info is not None and info.min_rtt), default=None)
 
     def stream_sockets(self) -> list[socket.socket | None]:
         """Each stream's socket by stream index (None once that stream died), for TCP_INFO readers."""

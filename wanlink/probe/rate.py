@@ -89,3 +89,77 @@ class DeliveryRateEstimator:
     def age(self, now: float) -> float | None:
         """Seconds since the newest sample (how stale ``estimate`` is); None without samples."""
         return None if not self._samples else max(0.0, now - self._samples[-1][0])
+
+
+
+class SendingTime:
+    """How long a sender had data unacknowledged: busy seconds, busy periods and the bytes acked by
+    the end of the last period, cumulative (pure; the caller gives the times). A period begins at
+    the first send while idle and ends when everything sent is acknowledged (``on_idle``)."""
+
+    def __init__(self):
+        self.busy_s = 0.0
+        self.periods = 0
+        self.acked_bytes = 0  # acknowledged by the end of the last complete period
+        self._acked = 0
+        self._since: float | None = None
+
+    def on_send(self, t: float) -> None:
+        if self._since is None:
+            self._since = t
+
+    def on_ack(self, nbytes: int) -> None:
+        self._acked += nbytes
+
+    def on_idle(self, t: float) -> None:
+        if self._since is not None:
+            self.busy_s += max(0.0, t - self._since)
+            self.periods += 1
+            self.acked_bytes = self._acked
+            self._since = None
+
+    def reading(self) -> tuple[int, float, int]:
+        """(acked bytes, busy seconds, periods) up to the end of the last complete busy period."""
+        return self.acked_bytes, self.busy_s, self.periods
+
+
+class BurstRateMeter:
+    """A link's transfer rate from its ``SendingTime`` counters, net of each burst's round trip.
+
+    A burst of ``B`` bytes sent after an idle gap is acknowledged after about ``rtt + B / rate``:
+    its first round trip says nothing about the rate, and at a low density a burst is little else.
+    So ``update`` takes, per link, the counters' growth since the last sample (bytes, busy seconds,
+    periods) and returns ``bytes / (busy - periods x rtt)``, with the transfer time never taken
+    below ``resolution_s`` a period (a burst that took no longer than its round trip shows only
+    that the rate is at least that high: the estimate then rises as the bursts grow, it is never
+    guessed). ``rtt_s`` should be the path's minimum RTT, which every burst pays, so the transfer
+    time errs long and the rate low. Time spent computing or waiting for the peer while nothing
+    was in flight is not busy time. None until ``min_busy_s`` of busy time has accumulated (it
+    carries over); readings are keyed (per link), and a key's first reading, or one whose
+    counters went back, is only a baseline.
+    """
+
+    def __init__(self, *, min_busy_s: float = 0.05, resolution_s: float = 0.001):
+        if not (min_busy_s > 0 and resolution_s > 0):
+            raise ConfigError(f"min_busy_s and resolution_s must be > 0, got {min_busy_s}, {resolution_s}")
+        self.min_busy_s, self.resolution_s = float(min_busy_s), float(resolution_s)
+        self._base: dict = {}  # key -> (acked bytes, busy s, periods) at the last sample
+
+    def update(self, readings, rtt_s: float) -> float | None:
+        """A rate sample in bytes/s from ``(key, acked bytes, busy s, periods)`` readings, or None."""
+        current = {key: (acked, busy, periods) for key, acked, busy, periods in readings}
+        base, acked, busy, periods = {}, 0.0, 0.0, 0
+        for key, now in current.items():
+            before = self._base.get(key)
+            if before is None or any(n < b for n, b in zip(now, before)):
+                base[key] = now  # a new link, or counters that restarted
+            else:
+                base[key] = before
+                acked += now[0] - before[0]
+                busy += now[1] - before[1]
+                periods += now[2] - before[2]
+        if busy < self.min_busy_s or acked <= 0:
+            self._base = base
+            return None
+        self._base = current
+        return acked / max(busy - periods * max(rtt_s, 0.0), periods * self.resolution_s)
