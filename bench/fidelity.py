@@ -46,7 +46,7 @@ class Shape:
 SHAPES = {
     "digits-mlp": Shape("digits-mlp", "accuracy", steps=600, sgd_lr=0.05, adam_lr=1e-3),
     "digits-cnn": Shape("digits-cnn", "accuracy", steps=600, sgd_lr=0.05, adam_lr=2e-3),
-    "stdlib-lm": Shape("stdlib-lm", "loss", steps=400, sgd_lr=0.1, adam_lr=2e-3),
+    "stdlib-lm": Shape("stdlib-lm", "loss", steps=1200, sgd_lr=0.1, adam_lr=2e-3),
     # the issue's report: a ~24M-parameter MLP on digits (bench/collapse.py; too slow for the matrix)
     "digits-mlp-24m": Shape("digits-mlp-24m", "accuracy", steps=450, sgd_lr=0.01, adam_lr=1e-4),
 }
@@ -442,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                              "adamw-uncorrected: AdamW's own beta1 behind the hook, run around the refusal")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--steps", type=int, help="training steps of every job (default: each shape's own)")
+    parser.add_argument("--density", type=float, default=DENSITY, help="density of the sparse cells")
     parser.add_argument("--name", default="fidelity", help="file name of the JSON and PNG")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                         help="measure nothing: merge these runs' fidelity.json files into one table and figure")
@@ -455,8 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         optimizers = [o for name in args.optimizers for o in (UNSAFE if name == "refused" else (name,))]
         jobs = matrix_jobs(args.shapes, list(range(args.seeds)), optimizers, args.modes)
-        if args.steps:
-            jobs = [{**job, "steps": args.steps} for job in jobs]
+        jobs = [{**job, **({"steps": args.steps} if args.steps else {}), "density": args.density} for job in jobs]
 
         def progress(outcome):
             result = outcome.get("final", outcome.get("refused", outcome.get("failed", ""))[:60])
@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"refused: {row['shape']} / {row['optimizer']} / {row['mode']}: {row['message']}")
     print(f"{(time.perf_counter() - started) / 60:.1f} min; load average before {run.load_before}, "
           f"after {os.getloadavg()}")
-    run.save_json(args.name, {"density": DENSITY, "momentum": MOMENTUM, "adam_betas": ADAM_BETAS,
+    run.save_json(args.name, {"density": args.density, "momentum": MOMENTUM, "adam_betas": ADAM_BETAS,
                               "warmup_steps": WARMUP_STEPS, "shapes": {name: vars(SHAPES[name]) for name in shapes},
                               "parts": parts, "rows": rows, "runs": runs})
     plot(runs, shapes, run, args.name)
