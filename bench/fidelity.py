@@ -341,7 +341,7 @@ def matrix_jobs(shapes, seeds, optimizers=(*OPTIMIZERS, *UNSAFE), modes=MODES) -
     for shape in shapes:
         for seed in seeds:
             for baseline in ("sgd", "adamw"):
-                if "dense" in modes and any(_baseline(o) == baseline for o in optimizers):
+                if "dense" in modes and any(_baseline(o) == baseline for o in optimizers if o not in UNSAFE):
                     jobs.append({"shape": shape, "seed": seed, "mode": "dense", "optimizer": baseline})
             for mode in (m for m in MODES[1:] if m in modes):
                 for optimizer in optimizers:
