@@ -26,6 +26,8 @@ block's gradients in bursts, which the momentum keeps applying for tens of steps
 refused at its first step. Either ``momentum=`` here (Deep Gradient Compression's momentum
 correction: the velocity is sparsified, a sent block's velocity restarts) with a momentum-free
 optimizer, or ``sparse_optimizer=True`` with SparseSGD, whose momentum only moves updated blocks.
+Adam's first moment is momentum too: Adam/AdamW with ``beta1 > 0`` is refused the same way, and
+``momentum=beta1`` here with ``betas=(0.0, beta2)`` is what to use.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
