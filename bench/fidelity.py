@@ -410,7 +410,10 @@ def plot(runs: list[dict], shapes, output, name: str = "fidelity") -> None:
         ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else "held-out loss (nats/byte)")
         if metric == "accuracy":
             ax.set_ylim(80, 100)
-    legend_outside(axes[0][-1], fontsize=7)
+    handles = {}
+    for ax in axes[0]:  # every cell of every panel, once
+        handles.update(zip(ax.get_legend_handles_labels()[1], ax.get_legend_handles_labels()[0]))
+    legend_outside(axes[0][-1], handles=list(handles.values()), labels=list(handles), fontsize=7)
     print("wrote", output.save_figure(fig, name))
 
 
