@@ -79,7 +79,8 @@ class TinyLM(torch.nn.Module):
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(width)
         self.head = torch.nn.Linear(width, VOCAB)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False)
+        # a constant, not a buffer: DDP broadcasts buffers before every forward (one WAN round trip a step)
+        self.mask = torch.nn.Transformer.generate_square_subsequent_mask(CONTEXT)
 
     def forward(self, tokens):
         hidden = self.embed(tokens) + self.position[: tokens.shape[1]]
