@@ -38,7 +38,7 @@ def smooth(values: list[float], width: int = 9) -> list[float]:
             for i in range(len(values))]
 
 
-def plot(runs: list[dict], shape: str, failing: int, run) -> None:
+def plot(runs: list[dict], shape: str, failing: int, output) -> None:
     """Accuracy, loss, update norm and momentum norm per step of every variant on the failing seed."""
     from bench.reporting import new_figure
 
@@ -60,7 +60,7 @@ def plot(runs: list[dict], shape: str, failing: int, run) -> None:
     axes[3].set_xlabel("step")
     axes[0].set_title(f"{shape}, seed {failing}, 2 ranks, batch 16 per rank (dotted: end of dense warm-up)")
     axes[0].legend(fontsize=7)
-    print("wrote", run.save_figure(fig, "collapse"))
+    print("wrote", output.save_figure(fig, "collapse"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ class Shape:
 SHAPES = {
     "digits-mlp": Shape("digits-mlp", "accuracy", steps=600, sgd_lr=0.05, adam_lr=1e-3),
     "digits-cnn": Shape("digits-cnn", "accuracy", steps=600, sgd_lr=0.05, adam_lr=2e-3),
-    "stdlib-lm": Shape("stdlib-lm", "loss", steps=400, sgd_lr=0.1, adam_lr=2e-3),
+    "stdlib-lm": Shape("stdlib-lm", "loss", steps=1200, sgd_lr=0.1, adam_lr=2e-3),
     # the issue's report: a ~24M-parameter MLP on digits (bench/collapse.py; too slow for the matrix)
     "digits-mlp-24m": Shape("digits-mlp-24m", "accuracy", steps=450, sgd_lr=0.01, adam_lr=1e-4),
 }
@@ -79,7 +79,8 @@ class TinyLM(torch.nn.Module):
         self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = torch.nn.LayerNorm(width)
         self.head = torch.nn.Linear(width, VOCAB)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False)
+        # a constant, not a buffer: DDP broadcasts buffers before every forward (one WAN round trip a step)
+        self.mask = torch.nn.Transformer.generate_square_subsequent_mask(CONTEXT)
 
     def forward(self, tokens):
         hidden = self.embed(tokens) + self.position[: tokens.shape[1]]
@@ -106,9 +107,9 @@ class Task:
             text = stdlib_text()
             cut = int(0.9 * text.numel())
             self.train_text, test_text = text[:cut], text[cut:]
-            starts = torch.arange(0, test_text.numel() - CONTEXT - 1, (test_text.numel() - CONTEXT - 1) // 128)[:128]
-            self.test = (torch.stack([test_text[s:s + CONTEXT] for s in starts]),
-                         torch.stack([test_text[s + 1:s + CONTEXT + 1] for s in starts]))
+            windows = (test_text.numel() - 1) // CONTEXT  # all of the held-out 10 %, ~52k bytes
+            self.test = (test_text[:windows * CONTEXT].view(windows, CONTEXT),
+                         test_text[1:windows * CONTEXT + 1].view(windows, CONTEXT))
         else:
             cnn = shape.name == "digits-cnn"
             self.model = _digits_cnn() if cnn else _digits_mlp(shape.name)
@@ -168,8 +169,10 @@ EVALUATIONS = 10  # points on each curve
 # optimizer name -> the dense baseline its cells are compared against
 OPTIMIZERS = {"sgd": "sgd", "adamw": "adamw", "sparse-sgd": "sgd"}
 MODES = ("dense", "sparse s0", "sparse s1")
-# What a new user writes and the sparse path refuses (its collapse: bench/collapse.py).
-UNSAFE = "sgd, momentum in the optimizer"
+# What a new user writes and the sparse path refuses (SGD's collapse: bench/collapse.py): each is run once
+# per shape and staleness to record the refusal.
+UNSAFE = ("sgd, momentum in the optimizer", "adamw, beta1 in the optimizer")
+ADAM_BETAS = (0.9, 0.999)
 TOLERANCE = {"accuracy": 1.0, "loss": 0.02}  # points; relative
 
 
@@ -216,15 +219,17 @@ def make_training(job: dict, model, group):
     if not dense:
         state = BlockSparseState(density=job.get("density", DENSITY), warmup_steps=job.get("warmup", WARMUP_STEPS),
                                  staleness=int(job["mode"][-1]), sparse_optimizer=name == "sparse-sgd",
-                                 momentum=MOMENTUM if name == "sgd" else 0.0)
+                                 momentum={"sgd": MOMENTUM, "adamw": ADAM_BETAS[0]}.get(name, 0.0))
         ddp.register_comm_hook(state, block_sparse_hook)
-    if name == "adamw":
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=shape.adam_lr)
+    if name in ("adamw", UNSAFE[1], "adamw-uncorrected") and (dense or name != "adamw"):
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=shape.adam_lr, betas=ADAM_BETAS)
+    elif name == "adamw":  # on the sparse path beta1 is the hook's momentum
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=shape.adam_lr, betas=(0.0, ADAM_BETAS[1]))
     elif name == "sparse-sgd":
         optimizer = SparseSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
     elif name == "sgd-uncorrected":
         optimizer = UncheckedMomentumSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
-    elif name == UNSAFE or dense:
+    elif name == UNSAFE[0] or dense:
         optimizer = torch.optim.SGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
     else:  # "sgd" on the sparse path: the momentum is the hook's
         optimizer = torch.optim.SGD(ddp.parameters(), lr=shape.sgd_lr, momentum=0.0)
@@ -232,6 +237,8 @@ def make_training(job: dict, model, group):
     def step():
         if name == "sparse-sgd":
             optimizer.step(sparse_grads=state.sparse_grads())
+        elif name == "adamw-uncorrected":  # what the sparse path refuses, measured: around torch.optim's step hooks
+            type(optimizer).step.__wrapped__(optimizer)
         else:
             optimizer.step()
 
@@ -329,18 +336,25 @@ def run_jobs(jobs: list[dict], on_result=None) -> list[dict]:
     return collected
 
 
-def matrix_jobs(shapes, seeds) -> list[dict]:
+def matrix_jobs(shapes, seeds, optimizers=(*OPTIMIZERS, *UNSAFE), modes=MODES) -> list[dict]:
+    """Every cell's jobs; a dense baseline runs where one of its optimizers is asked for."""
     jobs = []
     for shape in shapes:
         for seed in seeds:
-            for optimizer in ("sgd", "adamw"):
-                jobs.append({"shape": shape, "seed": seed, "mode": "dense", "optimizer": optimizer})
-            for mode in MODES[1:]:
-                for optimizer in (*OPTIMIZERS, UNSAFE):
-                    if optimizer == UNSAFE and seed != seeds[0]:
+            for baseline in ("sgd", "adamw"):
+                if "dense" in modes and any(_baseline(o) == baseline for o in optimizers if o not in UNSAFE):
+                    jobs.append({"shape": shape, "seed": seed, "mode": "dense", "optimizer": baseline})
+            for mode in (m for m in MODES[1:] if m in modes):
+                for optimizer in optimizers:
+                    if optimizer in UNSAFE and seed != seeds[0]:
                         continue  # refused: once per shape and staleness is enough
                     jobs.append({"shape": shape, "seed": seed, "mode": mode, "optimizer": optimizer})
     return jobs
+
+
+def _baseline(optimizer: str) -> str:
+    """The dense optimizer a cell is compared against (SparseSGD against dense momentum SGD)."""
+    return "adamw" if optimizer.startswith("adamw") else "sgd"
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -357,7 +371,7 @@ def summarise(runs: list[dict]) -> list[dict]:
             continue
         finals = [r.get("final", math.nan) for r in cell]  # a failed seed (NaN) is the worst
         baseline = [r["final"] for r in runs if r["shape"] == shape_name and r["mode"] == "dense"
-                    and r["optimizer"] == OPTIMIZERS.get(optimizer, optimizer) and "final" in r]
+                    and r["optimizer"] == _baseline(optimizer) and "final" in r]
         dense_mean = statistics.fmean(baseline)
         failed = [r["failed"] for r in cell if "failed" in r]
         worst = math.nan if failed else min(finals) if shape.metric == "accuracy" else max(finals)
@@ -371,27 +385,53 @@ def summarise(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(runs: list[dict], shapes, run) -> None:
-    from bench.reporting import new_figure
+def plot(runs: list[dict], shapes, output, name: str = "fidelity") -> None:
+    """Per shape, the mean curve of each cell over its seeds and the band between its best and worst seed."""
+    from bench.reporting import colours, legend_outside, new_figure
 
     fig, axes = new_figure(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
-    colours = {}
+    colour = colours(r["optimizer"] for r in runs)
+    style = {"dense": "-", "sparse s0": "--", "sparse s1": ":"}
     for ax, shape_name in zip(axes[0], shapes):
-        for run in runs:
-            if run["shape"] != shape_name or "curve" not in run:
-                continue
-            label = f"{run['optimizer']}, {run['mode']}"
-            colour = colours.setdefault(label, f"C{len(colours) % 10}")
-            ax.plot([p["step"] for p in run["curve"]], [p["metric"] for p in run["curve"]], color=colour, alpha=0.6,
-                    lw=1, label=label if run["seed"] == min(r["seed"] for r in runs) else None)
+        cells = {}
+        for result in runs:
+            if result["shape"] == shape_name and result.get("curve"):
+                cells.setdefault((result["optimizer"], result["mode"]), []).append(result["curve"])
+        for (optimizer, mode), curves in cells.items():
+            length = min(len(c) for c in curves)
+            steps = [p["step"] for p in curves[0][:length]]
+            values = [[c[i]["metric"] for c in curves] for i in range(length)]
+            ax.plot(steps, [statistics.fmean(v) for v in values], color=colour[optimizer], ls=style[mode], lw=1.2,
+                    label=f"{optimizer}, {mode} ({len(curves)} seeds)")
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=colour[optimizer],
+                            alpha=0.12)
         metric = SHAPES[shape_name].metric
         ax.set_title(shape_name)
         ax.set_xlabel("step")
         ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else "held-out loss (nats/byte)")
         if metric == "accuracy":
             ax.set_ylim(80, 100)
-    axes[0][-1].legend(fontsize=7)
-    print("wrote", run.save_figure(fig, "fidelity"))
+    handles = {}
+    for ax in axes[0]:  # every cell of every panel, once
+        handles.update(zip(ax.get_legend_handles_labels()[1], ax.get_legend_handles_labels()[0]))
+    legend_outside(axes[0][-1], handles=list(handles.values()), labels=list(handles), fontsize=7)
+    print("wrote", output.save_figure(fig, name))
+
+
+def merge(paths) -> tuple[list[dict], list[dict]]:
+    """The runs of several fidelity.json files (a later file's run replaces an earlier one of the same
+    shape, seed, mode and optimizer), and each file's header: the matrix measured in several calls."""
+    import json
+
+    runs, parts = {}, []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        header = data.get("header", {})
+        parts.append({"file": Path(path).name, **{key: header.get(key) for key in
+                                                  ("date_utc", "seconds", "load_before", "load_after", "command")}})
+        for run in data["runs"]:
+            runs[(run["shape"], run["seed"], run["mode"], run["optimizer"])] = run
+    return list(runs.values()), parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,19 +440,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell")
+    parser.add_argument("--optimizers", nargs="+", default=[*OPTIMIZERS, "refused"],
+                        choices=[*OPTIMIZERS, "refused", "adamw-uncorrected"],
+                        help="refused: the combinations the sparse path refuses (once per shape and staleness); "
+                             "adamw-uncorrected: AdamW's own beta1 behind the hook, run around the refusal")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--steps", type=int, help="training steps of every job (default: each shape's own)")
+    parser.add_argument("--density", type=float, default=DENSITY, help="density of the sparse cells")
+    parser.add_argument("--name", default="fidelity", help="file name of the JSON and PNG")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                        help="measure nothing: merge these runs' fidelity.json files into one table and figure")
     add_output_options(parser)
     args = parser.parse_args(argv)
     run = Run(args)
-    load_before = os.getloadavg()
     started = time.perf_counter()
-    jobs = matrix_jobs(args.shapes, list(range(args.seeds)))
+    if args.merge:
+        runs, parts = merge(args.merge)
+        shapes = list(dict.fromkeys(r["shape"] for r in runs))
+    else:
+        optimizers = [o for name in args.optimizers for o in (UNSAFE if name == "refused" else (name,))]
+        jobs = matrix_jobs(args.shapes, list(range(args.seeds)), optimizers, args.modes)
+        jobs = [{**job, **({"steps": args.steps} if args.steps else {}), "density": args.density} for job in jobs]
 
-    def progress(outcome):
-        result = outcome.get("final", outcome.get("refused", outcome.get("failed", ""))[:60])
-        print(f"  {outcome['shape']} seed {outcome['seed']} {outcome['mode']} {outcome['optimizer']}: {result}",
-              flush=True)
+        def progress(outcome):
+            result = outcome.get("final", outcome.get("refused", outcome.get("failed", ""))[:60])
+            print(f"  {outcome['shape']} seed {outcome['seed']} {outcome['mode']} {outcome['optimizer']}: {result}",
+                  flush=True)
 
-    runs = run_jobs(jobs, progress)
+        runs, parts, shapes = run_jobs(jobs, progress), [], args.shapes
     rows = summarise(runs)
     print_table([r for r in rows if r["verdict"] != "refused"],
                 [("shape", "shape", ""), ("optimizer", "optimizer", ""), ("mode", "mode", ""), ("seeds", "seeds", "d"),
@@ -421,12 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if row["verdict"] == "refused":
             print(f"refused: {row['shape']} / {row['optimizer']} / {row['mode']}: {row['message']}")
-    minutes = (time.perf_counter() - started) / 60
-    print(f"{minutes:.1f} min; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-    run.save_json("fidelity", {"density": DENSITY, "momentum": MOMENTUM, "warmup_steps": WARMUP_STEPS,
-                           "load_before": load_before, "load_after": os.getloadavg(), "minutes": minutes,
-                           "rows": rows, "runs": runs})
-    plot(runs, args.shapes, run)
+    print(f"{(time.perf_counter() - started) / 60:.1f} min; load average before {run.load_before}, "
+          f"after {os.getloadavg()}")
+    run.save_json(args.name, {"density": args.density, "momentum": MOMENTUM, "adam_betas": ADAM_BETAS,
+                              "warmup_steps": WARMUP_STEPS, "shapes": {name: vars(SHAPES[name]) for name in shapes},
+                              "parts": parts, "rows": rows, "runs": runs})
+    plot(runs, shapes, run, args.name)
     return 0 if all(r["verdict"] in ("ok", "refused") for r in rows) else 1
 
 

@@ -42,8 +42,11 @@ def _train(rank, size, hook_options, lr=0.1, optimizer_name="sgd", results=None,
             return future
 
         ddp.register_comm_hook(state, hook)
-    optimizer = (SparseSGD if optimizer_name == "sparse" else torch.optim.SGD)(ddp.parameters(), lr=lr,
-                                                                               momentum=momentum)
+    if optimizer_name == "adamw":
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, betas=(momentum, 0.999))
+    else:
+        optimizer = (SparseSGD if optimizer_name == "sparse" else torch.optim.SGD)(ddp.parameters(), lr=lr,
+                                                                                   momentum=momentum)
     grads = []
     for x, y in _batches(rank):
         optimizer.zero_grad()
@@ -287,23 +290,29 @@ def _refusals(rank, size):
     messages = []
     for options, optimizer_name in (({"density": 0.1, "staleness": 1}, "sgd"), ({"density": 0.1}, "sgd"),
                                     ({"density": 0.1, "momentum": 0.9}, "sgd"),
-                                    ({"density": 0.1, "staleness": 1}, "sparse")):
+                                    ({"density": 0.1, "staleness": 1}, "sparse"),
+                                    ({"density": 0.1, "staleness": 1}, "adamw"),
+                                    ({"density": 0.1, "momentum": 0.9}, "adamw")):
         try:
-            _train(rank, size, options, momentum=0.9, optimizer_name=optimizer_name)
+            _train(rank, size, options, momentum=0.9, optimizer_name=optimizer_name, lr=0.01)
             messages.append(None)
         except ConfigError as error:
             messages.append(str(error))
-    allowed, _, _ = _train(rank, size, {"density": 1.0}, momentum=0.9)  # dense: nothing delayed
-    return messages, bool(torch.isfinite(allowed).all())
+    allowed = [_train(rank, size, {"density": 1.0}, momentum=0.9)[0],  # dense: nothing delayed
+               _train(rank, size, {"density": 0.1, "momentum": 0.9}, momentum=0.0, optimizer_name="adamw", lr=0.01)[0]]
+    return messages, all(bool(torch.isfinite(params).all()) for params in allowed)
 
 
 def test_momentum_optimizers_behind_sparse_updates_are_refused():
-    for (stale, fresh, twice, sparse_sgd_dense), allowed in run_world(2, _refusals):
+    for (stale, fresh, twice, sparse_sgd_dense, adam, adam_twice), allowed in run_world(2, _refusals):
         for message in (stale, fresh, sparse_sgd_dense):
             assert message and "BlockSparseState(..., momentum=0.9)" in message and "SparseSGD" in message
         assert "SGD(momentum=0.9)" in stale and "SparseSGD(momentum=0.9)" in sparse_sgd_dense
         assert twice and "momentum twice" in twice
-        assert allowed
+        assert adam and "AdamW(betas=(0.9, 0.999))" in adam and "AdamW(betas=(0.0, 0.999))" in adam
+        assert "BlockSparseState(..., momentum=0.9)" in adam
+        assert adam_twice and "momentum twice" in adam_twice and "betas=(0.0, 0.999)" in adam_twice
+        assert allowed  # AdamW(betas=(0, beta2)) with the momentum in the hook is accepted
 
 
 def test_hook_options_are_validated():

@@ -26,6 +26,8 @@ block's gradients in bursts, which the momentum keeps applying for tens of steps
 refused at its first step. Either ``momentum=`` here (Deep Gradient Compression's momentum
 correction: the velocity is sparsified, a sent block's velocity restarts) with a momentum-free
 optimizer, or ``sparse_optimizer=True`` with SparseSGD, whose momentum only moves updated blocks.
+Adam's first moment is momentum too: Adam/AdamW with ``beta1 > 0`` is refused the same way, and
+``momentum=beta1`` here with ``betas=(0.0, beta2)`` is what to use.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
@@ -298,8 +300,12 @@ class BlockSparseState:
             return
         if self.momentum or (not self.sparse_optimizer and self.density < 1.0):
             for group in optimizer.param_groups:
-                if group.get("momentum", 0) and any(id(p) in self._param_ids for p in group["params"]):
+                if not any(id(p) in self._param_ids for p in group["params"]):
+                    continue
+                if group.get("momentum", 0):
                     raise ConfigError(_momentum_refusal(type(optimizer).__name__, group["momentum"], self))
+                if group.get("betas", (0.0,))[0]:
+                    raise ConfigError(_beta1_refusal(type(optimizer).__name__, group["betas"], self))
         self._checked.add(optimizer)
 
     def world_size(self) -> int:
@@ -397,6 +403,18 @@ def _momentum_refusal(optimizer: str, momentum: float, state: BlockSparseState) 
             f"keeps pushing it for ~1/(1-momentum) steps after (docs/sparse.md). Move the momentum into the "
             f"hook: BlockSparseState(..., momentum={momentum}) with {optimizer}(momentum=0); or use "
             f"BlockSparseState(..., sparse_optimizer=True) with wanlink.optim.SparseSGD(momentum={momentum})")
+
+
+def _beta1_refusal(optimizer: str, betas: tuple, state: BlockSparseState) -> str:
+    beta1, beta2 = betas[0], betas[1]
+    if state.momentum:
+        return (f"{optimizer}(betas=({beta1}, {beta2})) behind BlockSparseState(momentum={state.momentum}) applies "
+                f"momentum twice: give the optimizer betas=(0.0, {beta2}) (the hook already applies the first moment)")
+    return (f"{optimizer}(betas=({beta1}, {beta2})) on block-sparse updates (density {state.density}): its first "
+            f"moment keeps pushing each burst that error feedback delivers for ~1/(1-beta1) steps, like SGD's "
+            f"momentum (docs/sparse.md). Move beta1 into the hook: BlockSparseState(..., momentum={beta1}) with "
+            f"{optimizer}(betas=(0.0, {beta2})); or use BlockSparseState(..., sparse_optimizer=True) with "
+            f"wanlink.optim.SparseSGD(momentum={beta1})")
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
