@@ -8,7 +8,11 @@ its call. For wanlink the table also shows the most bytes any link staged (its b
 WANLINK_STAGING_BYTES, 128 MiB by default).
 
     python3 dev.py bench bench/late_receiver.py [--late 5 30 120] [--send-mib 1536]
-        [--all-reduce-mib 2304] [--all-reduce-late 6] [--ranks 2] [--backends wanlink gloo] [--out DIR | --publish]
+        [--all-reduce-mib 2304] [--all-reduce-late 6] [--ranks 2] [--backends wanlink gloo]
+        [--cases send all_reduce] [--name late_receiver] [--out DIR | --publish]
+
+(The full run takes about 10 minutes on 2 CPUs; ``--cases`` and ``--late`` split it into shorter calls,
+each with its gloo baseline, written under its own ``--name``.)
 
 Writes late_receiver.{json,png} (bench/results/ with --publish).
 """
@@ -109,12 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all-reduce-late", type=float, default=6)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="world sizes of the all_reduce case")
     parser.add_argument("--backends", nargs="+", default=["wanlink", "gloo"], choices=["wanlink", "gloo"])
+    parser.add_argument("--cases", nargs="+", default=["send", "all_reduce"], choices=["send", "all_reduce"])
     parser.add_argument("--name", default="late_receiver")
     add_output_options(parser)
     args = parser.parse_args(argv)
     run = Run(args)
-    cases = [("send", 2, args.send_mib, late) for late in args.late]
-    cases += [("all_reduce", world, args.all_reduce_mib, args.all_reduce_late) for world in args.ranks]
+    cases = [("send", 2, args.send_mib, late) for late in args.late if "send" in args.cases]
+    cases += [("all_reduce", world, args.all_reduce_mib, args.all_reduce_late) for world in args.ranks
+              if "all_reduce" in args.cases]
     rows = []
     for case, world, mib, late in cases:
         for backend in args.backends:
