@@ -95,7 +95,8 @@ def run(sites: list[str]) -> list[dict]:
 
 def check_exact(results: list[dict]) -> None:
     """Every rank's send arrived, byte for byte."""
-    arrived = {(source, rank): exact for rank, result in enumerate(results) for source, exact in result["exact"].items()}
+    arrived = {(source, rank): exact
+               for rank, result in enumerate(results) for source, exact in result["exact"].items()}
     assert len(arrived) == len(results) and all(arrived.values()), arrived
 
 
