@@ -28,9 +28,9 @@ def payload(seed: int, nbytes: int = BIG) -> torch.Tensor:
 
 
 def service():
-    from wanlink.c10d import mesh, striped_p2p
+    from wanlink.c10d import mesh
 
-    return striped_p2p._services.get(mesh._world_mesh)
+    return mesh._world_mesh.striping
 
 
 def target_of(rank: int, sites: list[str]) -> int:
