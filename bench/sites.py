@@ -47,6 +47,7 @@ HOSTS = ("a0", "a1", "b0", "b1")
 MODES = {"site-aware": lambda host: host[0], "flat ring": lambda host: "one-site"}
 P2P_MODES = {"striped": {}, "direct": {"WANLINK_STRIPE_MIN_BYTES": "0"}}  # both site-aware
 SAMPLE_S = 0.05
+SMOOTH = 5  # samples the timeline's rates are averaged over
 
 
 class EgressSampler:
@@ -271,9 +272,11 @@ def plot_timeline(timelines: list[dict], run, name: str) -> Path:
     for ax, timeline in zip(axes[:, 0], timelines):
         origin = min(samples[0][0] for samples in timeline["egress"] if samples)
         for host, samples in zip(HOSTS, timeline["egress"]):
-            times = [t - origin for t, _ in samples]
-            rates = [8 * (b1 - b0) / (t1 - t0) / 1e6 for (t0, b0), (t1, b1) in zip(samples, samples[1:])]
-            ax.plot(times[1:], rates, label=f"{host} (rank {HOSTS.index(host)}) WAN egress", color=palette[host])
+            # over SMOOTH samples: bytes are counted when they enter the socket, not when they leave the host
+            pairs = list(zip(samples, samples[SMOOTH:]))
+            ax.plot([(t0 + t1) / 2 - origin for (t0, _), (t1, _) in pairs],
+                    [8 * (b1 - b0) / (t1 - t0) / 1e6 for (t0, b0), (t1, b1) in pairs],
+                    label=f"{host} (rank {HOSTS.index(host)}) WAN egress", color=palette[host])
         for window in timeline["windows"]:
             start, end = (w - origin for w in window["wall"])
             ax.axvspan(start, end, alpha=0.08, color="grey")

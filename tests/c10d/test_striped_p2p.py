@@ -28,9 +28,9 @@ def payload(seed: int, nbytes: int = BIG) -> torch.Tensor:
 
 
 def service():
-    from wanlink.c10d import mesh, striped_p2p
+    from wanlink.c10d import mesh
 
-    return striped_p2p._services.get(mesh._world_mesh)
+    return mesh._world_mesh.striping
 
 
 def target_of(rank: int, sites: list[str]) -> int:
@@ -95,7 +95,8 @@ def run(sites: list[str]) -> list[dict]:
 
 def check_exact(results: list[dict]) -> None:
     """Every rank's send arrived, byte for byte."""
-    arrived = {(source, rank): exact for rank, result in enumerate(results) for source, exact in result["exact"].items()}
+    arrived = {(source, rank): exact
+               for rank, result in enumerate(results) for source, exact in result["exact"].items()}
     assert len(arrived) == len(results) and all(arrived.values()), arrived
 
 

@@ -128,6 +128,7 @@ class Mesh:
         self._links: dict[int, asyncio.Future] = {}
         self._slots: dict[int, str] = {}
         self._closed = False
+        self.striping = None  # this mesh's wanlink.c10d.striped_p2p.StripedP2P, once serve() made one
         self.server = None
         self.addresses: dict[int, tuple[str, int]] = {}
         self.unix_names: dict[int, str] = {}  # peers of this host: their abstract socket

@@ -26,7 +26,6 @@ import asyncio
 import itertools
 import logging
 import time
-import weakref
 from typing import Awaitable, Sequence
 
 import torch
@@ -49,20 +48,17 @@ NOMINAL_RATE = 100e6
 """Initial WAN rate of every member (bytes/s): equal shares until finished shares measure them."""
 SERIALS = 1 << 22
 
-_services: "weakref.WeakKeyDictionary[Mesh, StripedP2P]" = weakref.WeakKeyDictionary()
-
-
 def serve(mesh: Mesh, min_bytes: int, piece_bytes: int) -> None:
     """Start striping and relaying on ``mesh`` (once per mesh; any non-loop thread)."""
-    if mesh in _services or not StripedP2P.useful(mesh.sites, min_bytes):
+    if mesh.striping is not None or not StripedP2P.useful(mesh.sites, min_bytes):
         return
-    service = _services[mesh] = StripedP2P(mesh, min_bytes, piece_bytes)
-    mesh.runtime.run(service.start(), mesh.timeout.total_seconds())
+    mesh.striping = StripedP2P(mesh, min_bytes, piece_bytes)
+    mesh.runtime.run(mesh.striping.start(), mesh.timeout.total_seconds())
 
 
 async def send(comm: LinkComm, peer: int, buffer: torch.Tensor) -> None:
     """``comm.send``, striped over this rank's cell when it pays (docs/sites.md)."""
-    service = _services.get(comm.mesh)
+    service = comm.mesh.striping
     if service is None or not service.applies(comm.mesh.rank, comm.mesh_rank(peer), buffer):
         return await comm.send(peer, buffer)
     await service.send(comm, peer, buffer)
@@ -70,7 +66,7 @@ async def send(comm: LinkComm, peer: int, buffer: torch.Tensor) -> None:
 
 async def recv(comm: LinkComm, peer: int, buffer: torch.Tensor) -> None:
     """``comm.recv`` of a message that may come striped."""
-    service = _services.get(comm.mesh)
+    service = comm.mesh.striping
     if service is None or not service.applies(comm.mesh_rank(peer), comm.mesh.rank, buffer):
         return await comm.recv(peer, buffer)
     descriptor = torch.empty(1, dtype=torch.int64)
@@ -80,7 +76,7 @@ async def recv(comm: LinkComm, peer: int, buffer: torch.Tensor) -> None:
 
 async def recv_any(comm: LinkComm, peers: Sequence[int], buffer: torch.Tensor) -> int:
     """``comm.recv_any`` of a message that may come striped; returns the sending group rank."""
-    service = _services.get(comm.mesh)
+    service = comm.mesh.striping
     if service is None:
         return await comm.recv_any(peers, buffer)
     descriptor = torch.empty(1, dtype=torch.int64)
