@@ -15,6 +15,8 @@ Rows (each a scenario with its trial count and outcome):
 * peers killed / frozen: a 4-rank torch world (wanlink backend, one process per rank) runs an
   all_reduce loop; at a random point one random rank gets SIGKILL or SIGSTOP. Time from the
   signal to the error on every survivor, and whether the message names the victim rank.
+  Survivors stay up after their error (as until a launcher tears them down), so no survivor's exit
+  tells the others what the victim's death should have.
 * 1 % loss: on an emulated 40 ms, 2 Gbit/s path with 1 % loss (bench/wanem, needs root and
   iperf3), wanlink-iperf with its probed stream count (plain and secure) vs iperf3 -P N with the
   same N, and iperf3 -P 8.
