@@ -10,7 +10,8 @@ def _lone_times(efficiency: float, overhead_ms: float) -> dict[str, float]:
     times = {}
     for size in PROBE_SIZES:
         lone = Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(size, 0.0, (size // 4,)),))
-        times[str(size)] = simulate(_cluster(ROW, 500, efficiency, overhead_ms), lone, Choice(), iterations=2).iteration_s
+        cluster = _cluster(ROW, 500, efficiency, overhead_ms)
+        times[str(size)] = simulate(cluster, lone, Choice(), iterations=2).iteration_s
     return times
 
 
