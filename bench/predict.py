@@ -8,10 +8,11 @@ the same (the same CPU sharing as in training), then trains and times its iterat
 prediction for a configuration uses the slowest rank's profile and a cluster description built
 from the path's settings (RTT, rate, the emulator's 1536 KiB window per flow, 1448/1500 goodput,
 the stream count), and compares the median measured iteration with the coarse and fine models.
-The headline predictions also take inputs measured in the same run (see ``predict``): the path's
-goodput (wanlink-iperf, 8 streams, 4 s, before the path's configurations), the send overhead (a
-lone 4 MiB all-reduce timed by each configuration's ranks before they profile) and the compute
-speed during training (from the forward passes, which do no communication).
+Before profiling, a configuration's ranks run the calibration: two 16 MiB all-reduces warm the
+link, then lone all-reduces of 64 KiB, 1 MiB and 4 MiB take turns; the headline predictions use the
+path's efficiency and per-step send overhead fitted to those (``calibrate_link``), never to the
+training iterations. Two more columns: the nominal link, and the goodput wanlink-iperf measured
+(8 streams, 4 s, before the path's configurations), as a probe would give it.
 
     sudo python3 dev.py bench bench/predict.py [--only NAME...] [--out DIR | --publish]
     python3 dev.py bench bench/predict.py --predict-only --out bench/results
