@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"{rate:g} Mbit/s {name} ({order}{', secure' if secure else ''}): "
                       f"{row['median_iteration_s']:.3f} s/iteration", flush=True)
+                run.save_json(args.name, {"rows": rows, "partial": True})  # kept should a later run fail
     for row in rows:
         gloo = next((r for r in rows if r["rate_mbit"] == row["rate_mbit"] and r["variant"] == "gloo dense"), None)
         row["speedup_vs_gloo"] = gloo["median_iteration_s"] / row["median_iteration_s"] if gloo else float("nan")
