@@ -218,15 +218,16 @@ def make_training(job: dict, model, group):
     state = None
     if not dense:
         state = BlockSparseState(density=job.get("density", DENSITY), warmup_steps=job.get("warmup", WARMUP_STEPS),
-                                 staleness=int(job["mode"][-1]), sparse_optimizer=name == "sparse-sgd",
-                                 momentum={"sgd": MOMENTUM, "adamw": ADAM_BETAS[0]}.get(name, 0.0))
+                                 staleness=int(job["mode"][-1]), sparse_optimizer=name.startswith("sparse-sgd"),
+                                 momentum={"sgd": MOMENTUM, "adamw": ADAM_BETAS[0],
+                                           "sparse-sgd-hook": MOMENTUM}.get(name, 0.0))
         ddp.register_comm_hook(state, block_sparse_hook)
     if name in ("adamw", UNSAFE[1], "adamw-uncorrected") and (dense or name != "adamw"):
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=shape.adam_lr, betas=ADAM_BETAS)
     elif name == "adamw":  # on the sparse path beta1 is the hook's momentum
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=shape.adam_lr, betas=(0.0, ADAM_BETAS[1]))
-    elif name == "sparse-sgd":
-        optimizer = SparseSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
+    elif name.startswith("sparse-sgd"):  # sparse-sgd-hook: the momentum is the hook's (momentum correction)
+        optimizer = SparseSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=0.0 if name.endswith("hook") else MOMENTUM)
     elif name == "sgd-uncorrected":
         optimizer = UncheckedMomentumSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
     elif name == UNSAFE[0] or dense:
@@ -235,7 +236,7 @@ def make_training(job: dict, model, group):
         optimizer = torch.optim.SGD(ddp.parameters(), lr=shape.sgd_lr, momentum=0.0)
 
     def step():
-        if name == "sparse-sgd":
+        if name.startswith("sparse-sgd"):
             optimizer.step(sparse_grads=state.sparse_grads())
         elif name == "adamw-uncorrected":  # what the sparse path refuses, measured: around torch.optim's step hooks
             type(optimizer).step.__wrapped__(optimizer)
@@ -372,7 +373,7 @@ def summarise(runs: list[dict]) -> list[dict]:
         finals = [r.get("final", math.nan) for r in cell]  # a failed seed (NaN) is the worst
         baseline = [r["final"] for r in runs if r["shape"] == shape_name and r["mode"] == "dense"
                     and r["optimizer"] == _baseline(optimizer) and "final" in r]
-        dense_mean = statistics.fmean(baseline)
+        dense_mean = statistics.fmean(baseline) if baseline else math.nan
         failed = [r["failed"] for r in cell if "failed" in r]
         worst = math.nan if failed else min(finals) if shape.metric == "accuracy" else max(finals)
         if shape.metric == "accuracy":
@@ -441,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell")
     parser.add_argument("--optimizers", nargs="+", default=[*OPTIMIZERS, "refused"],
-                        choices=[*OPTIMIZERS, "refused", "adamw-uncorrected"],
+                        choices=[*OPTIMIZERS, "refused", "adamw-uncorrected", "sparse-sgd-hook"],
                         help="refused: the combinations the sparse path refuses (once per shape and staleness); "
                              "adamw-uncorrected: AdamW's own beta1 behind the hook, run around the refusal")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
