@@ -25,15 +25,13 @@ Momentum: an optimizer with momentum behind sparse updates diverges (error feedb
 block's gradients in bursts, which the momentum keeps applying for tens of steps), so it is
 refused at its first step. Either ``momentum=`` here (Deep Gradient Compression's momentum
 correction: the velocity is sparsified, a sent block's velocity restarts) with a momentum-free
-optimizer (torch's, or SparseSGD with ``sparse_optimizer=True``). SparseSGD's own momentum only moves
-updated blocks, but re-applies a delivered burst at the block's later deliveries: it is accepted
-with a warning.
+optimizer (torch's, or SparseSGD with ``sparse_optimizer=True``), or ``sparse_optimizer=True`` with
+SparseSGD's own momentum, which only moves updated blocks.
 Adam's first moment is momentum too: Adam/AdamW with ``beta1 > 0`` is refused the same way, and
 ``momentum=beta1`` here with ``betas=(0.0, beta2)`` is what to use.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
-import warnings
 import weakref
 
 import numpy as np
@@ -292,22 +290,14 @@ class BlockSparseState:
         every optimizer step, through a torch.optim global step pre-hook)."""
         if optimizer in self._checked or not self._param_ids:
             return
-        sparse = self.density < 1.0
         for group in optimizer.param_groups:
             if not any(id(p) in self._param_ids for p in group["params"]):
                 continue
-            if self.momentum or (sparse and not self.sparse_optimizer):
+            if self.momentum or (self.density < 1.0 and not self.sparse_optimizer):
                 if group.get("momentum", 0):
                     raise ConfigError(_momentum_refusal(type(optimizer).__name__, group["momentum"], self))
                 if group.get("betas", (0.0,))[0]:
                     raise ConfigError(_beta1_refusal(type(optimizer).__name__, group["betas"], self))
-            elif sparse and group.get("momentum", 0):  # SparseSGD's own momentum on the blocks it is given
-                warnings.warn(f"{type(optimizer).__name__}(momentum={group['momentum']}) behind block-sparse updates "
-                              f"re-applies each block's delivered update at the block's later deliveries "
-                              f"(~1/(1-momentum) times in all) and fell short of dense accuracy in "
-                              f"bench/fidelity.py; BlockSparseState(..., momentum={group['momentum']}, "
-                              f"sparse_optimizer=True) with SparseSGD(momentum=0) applies the momentum in the hook "
-                              f"instead (docs/sparse.md)", UserWarning, stacklevel=4)
         self._checked.add(optimizer)
 
     def world_size(self) -> int:
