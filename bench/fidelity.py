@@ -5,10 +5,13 @@ byte-level transformer LM on standard-library source) with the same seeds in eve
 DDP on gloo, and wanlink's block-sparse hook at 1 % density with staleness 0 and 1. Optimizers:
 torch SGD with momentum 0.9 (on the sparse path the momentum moves into the hook:
 ``BlockSparseState(momentum=0.9)`` + ``SGD(momentum=0)``; a momentum SGD behind a plain state is
-refused, and that cell records the message), torch AdamW, and wanlink's SparseSGD
-(``sparse_optimizer=True``). Prints mean and worst final accuracy (or held-out loss) per cell and
-whether the worst seed is within 1 point (2 % relative loss) of dense's mean; writes
-fidelity.{json,png} to --out (bench/results/ with --publish).
+refused, and that cell records the message), torch AdamW (beta1 likewise moves into the hook:
+``AdamW(betas=(0, 0.999))``; AdamW's own beta1 is refused), and wanlink's SparseSGD
+(``sparse_optimizer=True``) with its own momentum ("sparse-sgd") or the hook's ("sparse-sgd-hook").
+Prints mean and worst final accuracy (or held-out loss) per cell and whether the worst seed is
+within 1 point (2 % relative loss) of dense's mean; writes fidelity.{json,png} to --out
+(bench/results/ with --publish). Runs are deterministic per seed, so the matrix can be measured in
+parts (--shapes/--optimizers/--modes, --name) and merged (--merge A.json B.json ...).
 
     python3 dev.py bench bench/fidelity.py [--shapes digits-mlp digits-cnn stdlib-lm] [--seeds 5] [--publish]
 """
@@ -167,7 +170,7 @@ MOMENTUM = 0.9
 WARMUP_STEPS = 50
 EVALUATIONS = 10  # points on each curve
 # optimizer name -> the dense baseline its cells are compared against
-OPTIMIZERS = {"sgd": "sgd", "adamw": "adamw", "sparse-sgd": "sgd"}
+OPTIMIZERS = {"sgd": "sgd", "adamw": "adamw", "sparse-sgd": "sgd", "sparse-sgd-hook": "sgd"}
 MODES = ("dense", "sparse s0", "sparse s1")
 # What a new user writes and the sparse path refuses (SGD's collapse: bench/collapse.py): each is run once
 # per shape and staleness to record the refusal.
@@ -442,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell")
     parser.add_argument("--optimizers", nargs="+", default=[*OPTIMIZERS, "refused"],
-                        choices=[*OPTIMIZERS, "refused", "adamw-uncorrected", "sparse-sgd-hook"],
+                        choices=[*OPTIMIZERS, "refused", "adamw-uncorrected"],
                         help="refused: the combinations the sparse path refuses (once per shape and staleness); "
                              "adamw-uncorrected: AdamW's own beta1 behind the hook, run around the refusal")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
