@@ -5,10 +5,13 @@ byte-level transformer LM on standard-library source) with the same seeds in eve
 DDP on gloo, and wanlink's block-sparse hook at 1 % density with staleness 0 and 1. Optimizers:
 torch SGD with momentum 0.9 (on the sparse path the momentum moves into the hook:
 ``BlockSparseState(momentum=0.9)`` + ``SGD(momentum=0)``; a momentum SGD behind a plain state is
-refused, and that cell records the message), torch AdamW, and wanlink's SparseSGD
-(``sparse_optimizer=True``). Prints mean and worst final accuracy (or held-out loss) per cell and
-whether the worst seed is within 1 point (2 % relative loss) of dense's mean; writes
-fidelity.{json,png} to --out (bench/results/ with --publish).
+refused, and that cell records the message), torch AdamW (beta1 likewise moves into the hook:
+``AdamW(betas=(0, 0.999))``; AdamW's own beta1 is refused), and wanlink's SparseSGD
+(``sparse_optimizer=True``) with its own momentum ("sparse-sgd") or the hook's ("sparse-sgd-hook").
+Prints mean and worst final accuracy (or held-out loss) per cell and whether the worst seed is
+within 1 point (2 % relative loss) of dense's mean; writes fidelity.{json,png} to --out
+(bench/results/ with --publish). Runs are deterministic per seed, so the matrix can be measured in
+parts (--shapes/--optimizers/--modes, --name) and merged (--merge A.json B.json ...).
 
     python3 dev.py bench bench/fidelity.py [--shapes digits-mlp digits-cnn stdlib-lm] [--seeds 5] [--publish]
 """
@@ -167,7 +170,7 @@ MOMENTUM = 0.9
 WARMUP_STEPS = 50
 EVALUATIONS = 10  # points on each curve
 # optimizer name -> the dense baseline its cells are compared against
-OPTIMIZERS = {"sgd": "sgd", "adamw": "adamw", "sparse-sgd": "sgd"}
+OPTIMIZERS = {"sgd": "sgd", "adamw": "adamw", "sparse-sgd": "sgd", "sparse-sgd-hook": "sgd"}
 MODES = ("dense", "sparse s0", "sparse s1")
 # What a new user writes and the sparse path refuses (SGD's collapse: bench/collapse.py): each is run once
 # per shape and staleness to record the refusal.
@@ -218,15 +221,16 @@ def make_training(job: dict, model, group):
     state = None
     if not dense:
         state = BlockSparseState(density=job.get("density", DENSITY), warmup_steps=job.get("warmup", WARMUP_STEPS),
-                                 staleness=int(job["mode"][-1]), sparse_optimizer=name == "sparse-sgd",
-                                 momentum={"sgd": MOMENTUM, "adamw": ADAM_BETAS[0]}.get(name, 0.0))
+                                 staleness=int(job["mode"][-1]), sparse_optimizer=name.startswith("sparse-sgd"),
+                                 momentum={"sgd": MOMENTUM, "adamw": ADAM_BETAS[0],
+                                           "sparse-sgd-hook": MOMENTUM}.get(name, 0.0))
         ddp.register_comm_hook(state, block_sparse_hook)
     if name in ("adamw", UNSAFE[1], "adamw-uncorrected") and (dense or name != "adamw"):
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=shape.adam_lr, betas=ADAM_BETAS)
     elif name == "adamw":  # on the sparse path beta1 is the hook's momentum
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=shape.adam_lr, betas=(0.0, ADAM_BETAS[1]))
-    elif name == "sparse-sgd":
-        optimizer = SparseSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
+    elif name.startswith("sparse-sgd"):  # sparse-sgd-hook: the momentum is the hook's (momentum correction)
+        optimizer = SparseSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=0.0 if name.endswith("hook") else MOMENTUM)
     elif name == "sgd-uncorrected":
         optimizer = UncheckedMomentumSGD(ddp.parameters(), lr=shape.sgd_lr, momentum=MOMENTUM)
     elif name == UNSAFE[0] or dense:
@@ -235,7 +239,7 @@ def make_training(job: dict, model, group):
         optimizer = torch.optim.SGD(ddp.parameters(), lr=shape.sgd_lr, momentum=0.0)
 
     def step():
-        if name == "sparse-sgd":
+        if name.startswith("sparse-sgd"):
             optimizer.step(sparse_grads=state.sparse_grads())
         elif name == "adamw-uncorrected":  # what the sparse path refuses, measured: around torch.optim's step hooks
             type(optimizer).step.__wrapped__(optimizer)
@@ -372,7 +376,7 @@ def summarise(runs: list[dict]) -> list[dict]:
         finals = [r.get("final", math.nan) for r in cell]  # a failed seed (NaN) is the worst
         baseline = [r["final"] for r in runs if r["shape"] == shape_name and r["mode"] == "dense"
                     and r["optimizer"] == _baseline(optimizer) and "final" in r]
-        dense_mean = statistics.fmean(baseline)
+        dense_mean = statistics.fmean(baseline) if baseline else math.nan
         failed = [r["failed"] for r in cell if "failed" in r]
         worst = math.nan if failed else min(finals) if shape.metric == "accuracy" else max(finals)
         if shape.metric == "accuracy":

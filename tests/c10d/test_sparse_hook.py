@@ -315,11 +315,29 @@ def test_momentum_optimizers_behind_sparse_updates_are_refused():
         assert allowed  # AdamW(betas=(0, beta2)) with the momentum in the hook is accepted
 
 
+def _sparse_sgd_with_the_hook_momentum(rank, size):
+    in_hook, _, _ = _train(rank, size, {"density": 0.1, "staleness": 1, "sparse_optimizer": True, "momentum": 0.9},
+                           optimizer_name="sparse")
+    try:
+        _train(rank, size, {"density": 0.1, "sparse_optimizer": True, "momentum": 0.9}, momentum=0.9,
+               optimizer_name="sparse")
+        twice = None
+    except ConfigError as error:
+        twice = str(error)
+    return bool(torch.isfinite(in_hook).all()), twice
+
+
+def test_sparse_sgd_takes_the_hook_momentum_but_not_both():
+    for in_hook_finite, twice in run_world(2, _sparse_sgd_with_the_hook_momentum):
+        assert in_hook_finite
+        assert twice and "momentum twice" in twice
+
+
 def test_hook_options_are_validated():
     from wanlink.c10d.sparse_hook import BlockSparseState
 
     for bad in ({"density": 0.0}, {"density": 1.5}, {"staleness": 2}, {"warmup_steps": -1}, {"momentum": 1.0},
-                {"momentum": -0.1}, {"momentum": True}, {"momentum": 0.9, "sparse_optimizer": True}):
+                {"momentum": -0.1}, {"momentum": True}):
         with pytest.raises(ConfigError):
             BlockSparseState(**bad)
     with pytest.raises(ConfigError, match="sparse_optimizer"):

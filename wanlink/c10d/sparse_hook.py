@@ -25,7 +25,8 @@ Momentum: an optimizer with momentum behind sparse updates diverges (error feedb
 block's gradients in bursts, which the momentum keeps applying for tens of steps), so it is
 refused at its first step. Either ``momentum=`` here (Deep Gradient Compression's momentum
 correction: the velocity is sparsified, a sent block's velocity restarts) with a momentum-free
-optimizer, or ``sparse_optimizer=True`` with SparseSGD, whose momentum only moves updated blocks.
+optimizer (torch's, or SparseSGD with ``sparse_optimizer=True``), or ``sparse_optimizer=True`` with
+SparseSGD's own momentum, which only moves updated blocks.
 Adam's first moment is momentum too: Adam/AdamW with ``beta1 > 0`` is refused the same way, and
 ``momentum=beta1`` here with ``betas=(0.0, beta2)`` is what to use.
 """
@@ -203,10 +204,6 @@ class BlockSparseState:
             raise ConfigError(f"density must be in (0, 1] or 'auto', got {density!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ConfigError(f"momentum must be in [0, 1), got {momentum!r}")
-        if momentum and sparse_optimizer:
-            raise ConfigError("momentum= is for a dense optimizer without momentum; with sparse_optimizer=True "
-                              "SparseSGD keeps the momentum: BlockSparseState(sparse_optimizer=True) and "
-                              "SparseSGD(momentum=...)")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if staleness not in (0, 1):
@@ -298,10 +295,10 @@ class BlockSparseState:
         every optimizer step, through a torch.optim global step pre-hook)."""
         if optimizer in self._checked or not self._param_ids:
             return
-        if self.momentum or (not self.sparse_optimizer and self.density < 1.0):
-            for group in optimizer.param_groups:
-                if not any(id(p) in self._param_ids for p in group["params"]):
-                    continue
+        for group in optimizer.param_groups:
+            if not any(id(p) in self._param_ids for p in group["params"]):
+                continue
+            if self.momentum or (self.density < 1.0 and not self.sparse_optimizer):
                 if group.get("momentum", 0):
                     raise ConfigError(_momentum_refusal(type(optimizer).__name__, group["momentum"], self))
                 if group.get("betas", (0.0,))[0]:
