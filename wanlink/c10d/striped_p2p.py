@@ -145,7 +145,7 @@ class StripedP2P:
             try:
                 self._dispatch(peer, message)
             except Exception:  # a malformed message must not stop the reader
-                logger.exception("wanlink striped p2p: rank %d could not handle %r from rank %d",
+                logger.exception("striped p2p: rank %d could not handle %r from rank %d",
                                  self.rank, message, peer)
 
     def _to(self, rank: int, message: list) -> None:
@@ -182,7 +182,7 @@ class StripedP2P:
         elif kind in ("request", "done", "cancel") and self.scheduler is not None:
             self._lead(peer, kind, fields)
         else:
-            logger.warning("wanlink striped p2p: rank %d ignored control message %r from rank %d",
+            logger.warning("striped p2p: rank %d ignored control message %r from rank %d",
                            self.rank, message, peer)
 
     @staticmethod
@@ -339,7 +339,7 @@ class StripedP2P:
             if carrying:
                 self._tell(self.leader, ["done", origin, serial, length])
         except Exception as error:  # noqa: BLE001 - the ends see the lost member on their own links
-            logger.warning("wanlink striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
+            logger.warning("striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
                            "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)
             if carrying:
                 self._tell(self.leader, ["cancel", origin, serial])
