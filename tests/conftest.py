@@ -17,7 +17,8 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a Linux dependency
     uvloop = None
 
-NEEDS_TORCH = ["c10d", "kernels", "test_docs.py", "test_examples.py", "test_packaging.py"]
+NEEDS_TORCH = ["c10d", "kernels", "test_docs.py", "test_examples.py", "test_packaging.py",
+               "bench/test_chaos.py"]
 collect_ignore = NEEDS_TORCH if importlib.util.find_spec("torch") is None else []
 
 _unhandled_loop_errors: list[dict] = []
