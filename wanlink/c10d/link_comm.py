@@ -140,7 +140,7 @@ class LinkComm(Comm):
                 raise failure
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         buffer = _scratch_pool.take(numel * itemsize)
         self._borrowed.append(buffer)
         return buffer.view(dtype)

@@ -69,7 +69,7 @@ class _ReceiveBuffers:
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype, slots: int):
         self._comm, self._numel, self._dtype, self._slots = comm, numel, dtype, slots
-        set_bytes = max(1, numel * slots * torch.empty(0, dtype=dtype).element_size())
+        set_bytes = max(1, numel * slots * dtype.itemsize)
         self._room = max(1, RECEIVE_BUFFER_BYTES // set_bytes)  # sets not made yet
         self._free: list[list[torch.Tensor]] = []
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
