@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.e2e_training import (  # noqa: E402
-    DATA_BATCHES, KEEP_FREED_MEMORY, add_worker_options, join_world, mlp_and_batches, set_slow_start_after_idle,
+    DATA_BATCHES, KEEP_FREED_MEMORY, StallWatchdog, add_worker_options, join_world, mlp_and_batches,
+    set_slow_start_after_idle, wait_ranks,
 )
 
 VARIANTS = {
@@ -53,6 +54,7 @@ def worker(args) -> None:
 
     variant = VARIANTS[args.variant]
     distributed = variant["backend"] is not None
+    watchdog = StallWatchdog(args.stall_s, args.rank)
     join_world(args, variant["backend"])
     if distributed:
         side = dist.new_group(backend="gloo")
@@ -96,6 +98,7 @@ def worker(args) -> None:
         records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
                         "density": None if state is None else state.density,
                         "estimate_mbit": None if estimate is None else 8 * estimate / 1e6})
+        watchdog.tick()
     if state is not None and state.flush():
         optimizer.step(sparse_grads=state.sparse_grads())
     if args.rank == 0:
@@ -104,16 +107,18 @@ def worker(args) -> None:
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
+    watchdog.stop()
 
 
-def run_variant(path, name: str, rates: list[float], phase_s: float, port: int) -> dict:
+def run_variant(path, name: str, rates: list[float], phase_s: float, port: int, stall_s: float) -> dict:
     """Runs one variant while changing the path's rate at each phase boundary (rank 0's clock)."""
     distributed = VARIANTS[name]["backend"] is not None
     with tempfile.TemporaryDirectory() as tmp:
         out, start_file = os.path.join(tmp, "rank0.json"), os.path.join(tmp, "start")
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name,
                   "--duration-s", repr(phase_s * len(rates)), "--iterations", str(FLOOR_ITERATIONS),
-                  "--master", path.addr_a, "--port", str(port), "--rank-out", out, "--start-file", start_file]
+                  "--master", path.addr_a, "--port", str(port), "--rank-out", out, "--start-file", start_file,
+                  "--stall-s", repr(stall_s)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
         path.change(rate_mbit=rates[0])
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env),
@@ -127,9 +132,7 @@ def run_variant(path, name: str, rates: list[float], phase_s: float, port: int) 
                 time.sleep(max(0.0, start + index * phase_s - time.monotonic()))
                 path.change(rate_mbit=rate)
                 changes.append((time.monotonic() - start, rate))
-        codes = [rank.wait(timeout=1800) for rank in ranks]
-        if any(codes):
-            raise RuntimeError(f"{name}: ranks exited with {codes}")
+        wait_ranks(name, ranks, stall_s)
         result = json.loads(Path(out).read_text())
     return {"variant": name, **VARIANTS[name], "rate_changes": changes, **result}
 
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     with WanPath(rtt_ms=args.rtt_ms, rate_mbit=args.rates[0]) as path:
         set_slow_start_after_idle(path, 0)  # as e2e_training: no slow start after an idle gap
         for index, variant in enumerate(args.variants):
-            runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index))
+            runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index, args.stall_s))
             print(f"{variant}: {len(runs[-1]['records'])} iterations", flush=True)
             run.save_json(args.name, {"runs": runs, "partial": True})  # kept should a later variant fail
     floor_run = next((r for r in runs if r["backend"] is None), None)

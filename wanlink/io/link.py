@@ -610,6 +610,20 @@ class Link:
         """Each stream's socket by stream index (None once that stream died), for TCP_INFO readers."""
         return [stream.sock if stream.alive else None for stream in self._streams]
 
+    def pending(self, limit: int = 20) -> dict:
+        """What this link still owes and awaits, to say where a stuck exchange stands (call on the
+        link's loop): sends not finished (tag, seq, bytes acknowledged, total), posted receives not
+        complete (tag, seq, bytes received, size), chunks queued and in flight per stream, messages
+        flow control holds back and the peer's eager credit left. At most ``limit`` of each list."""
+        sends = [(t.tag, t.seq, t.acked_bytes, t.total) for t, _done in self._outgoing.values()]
+        receives = [(e.tag, e.seq, e.received, len(e.buffer)) for e in self.reassembler.pending()]
+        return {"peer": self.peer_description, "sends": sends[:limit], "sends_pending": len(sends),
+                "receives": receives[:limit], "receives_pending": len(receives),
+                "queued_chunks": len(self.queue), "held_messages": self.flow.held_messages,
+                "eager_credit": self.flow.credit, "unexpected_bytes_held": self.reassembler.unexpected_bytes,
+                "in_flight_per_stream": [len(s.in_flight) if s.alive else None for s in self._streams],
+                "silent_s": self.silent_s(), "error": None if self.error is None else str(self.error)}
+
     def stats(self) -> dict:
         """Counters for this link (safe to read from any thread)."""
         streams = self._streams
