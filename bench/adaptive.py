@@ -99,6 +99,7 @@ def worker(args) -> None:
                         "density": None if state is None else state.density,
                         "estimate_mbit": None if estimate is None else 8 * estimate / 1e6})
         watchdog.tick()
+    watchdog.tick()  # the teardown's own budget
     if state is not None and state.flush():
         optimizer.step(sparse_grads=state.sparse_grads())
     if args.rank == 0:
@@ -107,7 +108,6 @@ def worker(args) -> None:
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
-    watchdog.stop()
 
 
 def run_variant(path, name: str, rates: list[float], phase_s: float, port: int, stall_s: float) -> dict:

@@ -58,15 +58,16 @@ STALL_EXIT = 86  # a rank's exit status when its watchdog found it stuck
 class StallWatchdog:
     """Ends a rank that stopped making progress, saying where it stands.
 
-    ``tick()`` after every iteration; if none comes for ``stall_s`` seconds the watchdog thread
-    writes every thread's stack and wanlink's per-link state (what each link still sends and awaits,
-    ``wanlink.io.registry.pending``, and its counters) to stderr and exits the process with ``STALL_EXIT``.
-    faulthandler's C timer backs it up (stacks only) should a thread hold the GIL throughout."""
+    ``tick()`` after every iteration, and once before the rank's teardown (the process exits with
+    the watchdog still running, so a hang in the teardown or the exit is caught too). If no tick
+    comes for ``stall_s`` seconds the watchdog thread writes every thread's stack and wanlink's
+    per-link state (what each link still sends and awaits, ``wanlink.io.registry.pending``, and its
+    counters) to stderr and exits the process with ``STALL_EXIT``. faulthandler's C timer backs it
+    up (stacks only) should a thread hold the GIL throughout."""
 
     def __init__(self, stall_s: float, rank: int):
         self.stall_s, self.rank = stall_s, rank
         self._last = time.monotonic()
-        self._done = threading.Event()
         threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
         faulthandler.dump_traceback_later(stall_s + 30, exit=True)
 
@@ -74,12 +75,9 @@ class StallWatchdog:
         self._last = time.monotonic()
         faulthandler.dump_traceback_later(self.stall_s + 30, exit=True)
 
-    def stop(self) -> None:
-        self._done.set()
-        faulthandler.cancel_dump_traceback_later()
-
     def _watch(self) -> None:
-        while not self._done.wait(1.0):
+        while True:
+            time.sleep(1.0)
             stalled = time.monotonic() - self._last
             if stalled >= self.stall_s:
                 from wanlink.io import registry
@@ -207,6 +205,7 @@ def worker(args) -> None:
             record.update(hook_s=clock["hook_s"], wait_s=backward_end - clock["returned"])
         records.append(record)
         watchdog.tick()
+    watchdog.tick()  # the teardown's own budget
     if state is not None and state.flush():
         optimizer.step(**({"sparse_grads": state.sparse_grads()} if variant["sparse_optimizer"] else {}))
     if distributed:
@@ -225,7 +224,6 @@ def worker(args) -> None:
                                               "sparse_bytes_sent": state.bytes_sent if state else None}))
     if distributed:
         dist.destroy_process_group()
-    watchdog.stop()
 
 
 def wait_ranks(name: str, ranks: list, stall_s: float) -> None:
