@@ -73,6 +73,7 @@ class Run:
     def __init__(self, args: argparse.Namespace):
         self.out = RESULTS if args.publish else Path(args.out)
         self.load_before = _load()
+        self.git_commit = _git_commit()  # at the start: a --publish run's own partial saves dirty the tree
         self.started = time.time()
         self.command = [Path(sys.argv[0]).name if sys.argv[0] else "python", *sys.argv[1:]]
 
@@ -85,7 +86,7 @@ class Run:
             "load_after": _load(),
             "versions": {"python": platform.python_version(), "wanlink": _version("wanlink"),
                          "torch": _version("torch"), "numpy": _version("numpy")},
-            "git_commit": _git_commit(),
+            "git_commit": self.git_commit,
             "command": self.command,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "seconds": round(time.time() - self.started, 1),
