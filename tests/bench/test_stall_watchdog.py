@@ -1,5 +1,6 @@
 """bench/e2e_training.py's StallWatchdog: a rank that stops making progress ends itself, naming
 where it stands (its stacks, and what each link still sends and awaits), instead of hanging the bench."""
+import re
 import subprocess
 import sys
 import textwrap
@@ -31,7 +32,7 @@ STUCK_RANK = textwrap.dedent("""
 def test_a_stalled_rank_exits_with_its_stacks_and_link_state():
     proc = subprocess.run([sys.executable, "-c", STUCK_RANK], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert proc.returncode == STALL_EXIT, proc.stderr
-    assert "rank 3: no progress for 1 s" in proc.stderr
+    assert re.search(r"rank 3: no progress for \d+ s", proc.stderr)  # (checked once a second)
     assert "waiting_for_an_exchange_that_never_comes" in proc.stderr  # the main thread's stack
     assert '"receives_pending": 1' in proc.stderr and '"sends_pending": 0' in proc.stderr
     assert '"bytes_sent"' in proc.stderr  # the counters follow
