@@ -628,6 +628,8 @@ async def test_sending_time_counts_each_busy_period_until_its_last_ack(pair):
     await asyncio.gather(pair.client.send(b"z" * 1000, tag=3), pair.accepted.recv_into(bytearray(1000), tag=3))
     assert pair.client.sending.reading()[::2] == (301_000, 2)
     assert pair.accepted.sending.reading() == (0, 0.0, 0)  # it sent nothing but acks
+    acked, wire, messages = pair.client.wire.reading()  # Link.wire: per message, send to last ack
+    assert (acked, messages) == (301_000, 3) and wire > 0 and pair.accepted.wire.reading() == (0, 0.0, 0)
     rtt = pair.client.min_rtt_s()
     assert rtt is None or 0 < rtt < 1  # None over Unix sockets
 
