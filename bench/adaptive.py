@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.e2e_training import (  # noqa: E402
-    DATA_BATCHES, KEEP_FREED_MEMORY, add_worker_options, join_world, mlp_and_batches, set_slow_start_after_idle,
+    DATA_BATCHES, KEEP_FREED_MEMORY, StallWatchdog, add_worker_options, join_world, mlp_and_batches,
+    set_slow_start_after_idle, wait_ranks,
 )
 
 VARIANTS = {
@@ -53,6 +54,7 @@ def worker(args) -> None:
 
     variant = VARIANTS[args.variant]
     distributed = variant["backend"] is not None
+    watchdog = StallWatchdog(args.stall_s, args.rank)
     join_world(args, variant["backend"])
     if distributed:
         side = dist.new_group(backend="gloo")
@@ -96,6 +98,8 @@ def worker(args) -> None:
         records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
                         "density": None if state is None else state.density,
                         "estimate_mbit": None if estimate is None else 8 * estimate / 1e6})
+        watchdog.tick()
+    watchdog.tick()  # the teardown's own budget
     if state is not None and state.flush():
         optimizer.step(sparse_grads=state.sparse_grads())
     if args.rank == 0:
@@ -106,14 +110,15 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def run_variant(path, name: str, rates: list[float], phase_s: float, port: int) -> dict:
+def run_variant(path, name: str, rates: list[float], phase_s: float, port: int, stall_s: float) -> dict:
     """Runs one variant while changing the path's rate at each phase boundary (rank 0's clock)."""
     distributed = VARIANTS[name]["backend"] is not None
     with tempfile.TemporaryDirectory() as tmp:
         out, start_file = os.path.join(tmp, "rank0.json"), os.path.join(tmp, "start")
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name,
                   "--duration-s", repr(phase_s * len(rates)), "--iterations", str(FLOOR_ITERATIONS),
-                  "--master", path.addr_a, "--port", str(port), "--rank-out", out, "--start-file", start_file]
+                  "--master", path.addr_a, "--port", str(port), "--rank-out", out, "--start-file", start_file,
+                  "--stall-s", repr(stall_s)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
         path.change(rate_mbit=rates[0])
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env),
@@ -127,9 +132,7 @@ def run_variant(path, name: str, rates: list[float], phase_s: float, port: int) 
                 time.sleep(max(0.0, start + index * phase_s - time.monotonic()))
                 path.change(rate_mbit=rate)
                 changes.append((time.monotonic() - start, rate))
-        codes = [rank.wait(timeout=1800) for rank in ranks]
-        if any(codes):
-            raise RuntimeError(f"{name}: ranks exited with {codes}")
+        wait_ranks(name, ranks, stall_s)
         result = json.loads(Path(out).read_text())
     return {"variant": name, **VARIANTS[name], "rate_changes": changes, **result}
 
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtt-ms", type=float, default=40)
     parser.add_argument("--rates", type=float, nargs="+", default=[500, 100, 1000, 250])
     parser.add_argument("--phase-s", type=float, default=30.0)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="run in this order; the floor may be named twice (first and last), its runs are averaged")
     parser.add_argument("--name", default="adaptive", help="file name of the JSON and PNG")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
@@ -213,19 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     with WanPath(rtt_ms=args.rtt_ms, rate_mbit=args.rates[0]) as path:
         set_slow_start_after_idle(path, 0)  # as e2e_training: no slow start after an idle gap
         for index, variant in enumerate(args.variants):
-            runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index))
+            runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index, args.stall_s))
             print(f"{variant}: {len(runs[-1]['records'])} iterations", flush=True)
             run.save_json(args.name, {"runs": runs, "partial": True})  # kept should a later variant fail
-    floor_run = next((r for r in runs if r["backend"] is None), None)
-    floor_s = (statistics.median(r["seconds"] for r in floor_run["records"][2:]) if floor_run else float("nan"))
+    # the floor may run more than once (first and last: the machine's load moves during a call)
+    floors = [statistics.median(r["seconds"] for r in run_["records"][2:]) for run_ in runs if run_["backend"] is None]
+    floor_s = statistics.mean(floors) if floors else float("nan")
     rows = [p for r in runs if r["backend"] is not None for p in phase_rows(r, args.rates, args.phase_s, floor_s)]
     print(f"\n2 ranks, {args.rtt_ms:g} ms RTT, phases of {args.phase_s:g} s at {args.rates} Mbit/s; compute floor "
-          f"{floor_s:.3f} s/iteration; load before {run.load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+          f"{floor_s:.3f} s/iteration (each floor run: {', '.join(f'{f:.3f}' for f in floors)}); "
+          f"load before {run.load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     printable = [{k: ("" if v is None else v) for k, v in row.items()} for row in rows]
     print_table(printable, [("variant", "variant", ""), ("rate_mbit", "Mbit/s", "g"), ("iterations", "iters", "d"),
                        ("median_iteration_s", "s/iteration", ".3f"), ("x_floor", "x floor", ".2f"),
                        ("median_density", "density", ".4g")])
-    run.save_json(args.name, {"phases": rows, "runs": runs, "floor_s": floor_s, "rates_mbit": args.rates,
+    run.save_json(args.name, {"phases": rows, "runs": runs, "floor_s": floor_s, "floor_runs_s": floors,
+                              "rates_mbit": args.rates,
                               "phase_s": args.phase_s, "rtt_ms": args.rtt_ms, "auto_bounds": AUTO_BOUNDS})
     print("wrote", plot(run, runs, args.rates, args.phase_s, floor_s, args.name))
     return 0

@@ -14,11 +14,13 @@ and every DDP uses ``gradient_as_bucket_view=True``. Needs root.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +51,42 @@ DATA_BATCHES = 32  # per rank, cycled: a finite training set the model can fit, 
 # is what PyTorch's CPU tuning guide gets from jemalloc or tcmalloc; every variant runs with it.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 PHASES = ("forward_s", "backward_s", "hook_s", "wait_s", "step_s", "cpu_s")
+STALL_S = 180.0  # no iteration for this long is a hang (the slowest step, gloo dense at 100 Mbit/s, takes ~12 s)
+STALL_EXIT = 86  # a rank's exit status when its watchdog found it stuck
+
+
+class StallWatchdog:
+    """Ends a rank that stopped making progress, saying where it stands.
+
+    ``tick()`` after every iteration, and once before the rank's teardown (the process exits with
+    the watchdog still running, so a hang in the teardown or the exit is caught too). If no tick
+    comes for ``stall_s`` seconds the watchdog thread writes every thread's stack and wanlink's
+    per-link state (what each link still sends and awaits, ``wanlink.io.registry.pending``, and its
+    counters) to stderr and exits the process with ``STALL_EXIT``. faulthandler's C timer backs it
+    up (stacks only) should a thread hold the GIL throughout."""
+
+    def __init__(self, stall_s: float, rank: int):
+        self.stall_s, self.rank = stall_s, rank
+        self._last = time.monotonic()
+        threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
+        faulthandler.dump_traceback_later(stall_s + 30, exit=True)
+
+    def tick(self) -> None:
+        self._last = time.monotonic()
+        faulthandler.dump_traceback_later(self.stall_s + 30, exit=True)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            stalled = time.monotonic() - self._last
+            if stalled >= self.stall_s:
+                from wanlink.io import registry
+
+                print(f"rank {self.rank}: no progress for {stalled:.0f} s; per link, what it still sends and awaits:\n"
+                      + json.dumps(registry.pending(), indent=1, default=repr) + "\nper-link counters:\n"
+                      + json.dumps(registry.stats(), indent=1, default=repr), file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(all_threads=True)
+                os._exit(STALL_EXIT)
 
 
 def make_model():
@@ -111,6 +149,7 @@ def worker(args) -> None:
 
     variant = VARIANTS[args.variant]
     distributed = variant["backend"] is not None
+    watchdog = StallWatchdog(args.stall_s, args.rank)
     join_world(args, variant["backend"])
     if args.shape:  # one of bench/fidelity.py's shapes: its model and its own real batches
         from bench.fidelity import SHAPES, Task
@@ -165,6 +204,8 @@ def worker(args) -> None:
         if state is not None:  # backward = compute + hooks (sparsify, launch) + waiting for the exchanges
             record.update(hook_s=clock["hook_s"], wait_s=backward_end - clock["returned"])
         records.append(record)
+        watchdog.tick()
+    watchdog.tick()  # the teardown's own budget
     if state is not None and state.flush():
         optimizer.step(**({"sparse_grads": state.sparse_grads()} if variant["sparse_optimizer"] else {}))
     if distributed:
@@ -185,20 +226,31 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
+def wait_ranks(name: str, ranks: list, stall_s: float) -> None:
+    """Wait for the rank processes (each ends itself once stalled for ``stall_s``, see StallWatchdog);
+    RuntimeError naming the variant when one failed or stalled."""
+    codes = [rank.wait(timeout=1800) for rank in ranks]
+    if STALL_EXIT in codes:
+        stalled = [rank for rank, code in enumerate(codes) if code == STALL_EXIT]
+        raise RuntimeError(f"{name}: rank(s) {stalled} made no progress for {stall_s:g} s (exit codes {codes}); "
+                           "their stacks and per-link state are in the output above")
+    if any(codes):
+        raise RuntimeError(f"{name}: ranks exited with {codes}")
+
+
 def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: bool, shape: str = "",
-                chunk_order: str = "edf", secure: bool = False) -> dict:
+                chunk_order: str = "edf", secure: bool = False, stall_s: float = STALL_S) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name, "--shape", shape,
-                  "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--rank-out", out]
+                  "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--rank-out", out,
+                  "--stall-s", repr(stall_s)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_CHUNK_ORDER": chunk_order,
                "WANLINK_SECURE": "1" if secure else "0", **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env)]
         if VARIANTS[name]["ranks"] == 2:
             ranks.append(path.popen_b([*common, "--rank", "1", "--address", path.addr_b], env=env))
-        codes = [rank.wait(timeout=1800) for rank in ranks]
-        if any(codes):
-            raise RuntimeError(f"{name}: ranks exited with {codes}")
+        wait_ranks(name, ranks, stall_s)
         result = json.loads(Path(out).read_text())
     steady = result["records"][SKIP_FIRST:]
     medians = {f"median_{phase}": statistics.median(r[phase] for r in steady)
@@ -221,6 +273,9 @@ def add_worker_options(parser: argparse.ArgumentParser, port: int, extra: tuple[
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=port, help=argparse.SUPPRESS)
+    parser.add_argument("--stall-s", type=float, default=STALL_S,
+                        help="a rank with no finished iteration for this long prints its stacks and per-link "
+                        "state and exits; the bench then fails naming the variant")
 
 
 def set_slow_start_after_idle(path, value: int) -> None:
@@ -388,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             for index, (name, order, secure) in enumerate(runs):
                 row = run_variant(path, name, args.iterations or VARIANTS[name]["iterations"], 29600 + index,
                                   keep_freed_memory=args.malloc == "keep-freed", shape=args.shape, chunk_order=order,
-                                  secure=secure)
+                                  secure=secure, stall_s=args.stall_s)
                 row.update(shape=args.shape or "mlp-teacher", rate_mbit=rate, rtt_ms=args.rtt_ms,
                            slow_start_after_idle=args.slow_start_after_idle,
                            malloc=args.malloc)

@@ -73,9 +73,9 @@ class Run:
     def __init__(self, args: argparse.Namespace):
         self.out = RESULTS if args.publish else Path(args.out)
         self.load_before = _load()
+        self.git_commit = _git_commit()  # at the start: a --publish run's own partial saves dirty the tree
         self.started = time.time()
         self.command = [Path(sys.argv[0]).name if sys.argv[0] else "python", *sys.argv[1:]]
-        self.git_commit = _git_commit()  # at the start: the run's own partial results must not mark it dirty
 
     def header(self) -> dict:
         """Machine, CPU count, load before/after, versions, git commit, command line, date."""

@@ -158,17 +158,28 @@ class _FakeLink:
     """What LinkDeliveryRate reads of a wanlink Link: its ``sending`` counters and the kernel's min RTT."""
 
     def __init__(self, rtt_s):
-        from wanlink.probe.rate import SendingTime
+        from wanlink.probe.rate import SendingTime, WireTime
 
-        self.sending, self.rtt_s = SendingTime(), rtt_s
+        self.sending, self.wire, self.rtt_s = SendingTime(), WireTime(), rtt_s
 
     def min_rtt_s(self):
         return self.rtt_s
 
     def burst(self, t: float, nbytes: int, seconds: float) -> None:
+        """One message alone in its busy period."""
         self.sending.on_send(t)
         self.sending.on_ack(nbytes)
         self.sending.on_idle(t + seconds)
+        self.wire.on_message(t, t + seconds, nbytes)
+
+    def spread(self, t: float, nbytes: int, transfer_s: float, messages: int, apart_s: float) -> None:
+        """``messages`` messages ``apart_s`` apart (a step's buckets), each alone on the wire for
+        ``transfer_s`` and acked a round trip later: one busy period spanning them all."""
+        for i in range(messages):
+            self.sending.on_send(t + i * apart_s)
+            self.sending.on_ack(nbytes)
+            self.wire.on_message(t + i * apart_s, t + i * apart_s + transfer_s + self.rtt_s, nbytes)
+        self.sending.on_idle(t + (messages - 1) * apart_s + transfer_s + self.rtt_s)
 
 
 def test_by_default_the_links_busy_periods_feed_the_bandwidth_and_their_rtt_the_latency():
@@ -187,6 +198,31 @@ def test_by_default_the_links_busy_periods_feed_the_bandwidth_and_their_rtt_the_
     assert auto.controller.bandwidth_estimate(clock.now) == pytest.approx(10e6)
     assert auto.controller.latency_s == pytest.approx(0.04)
     assert auto.stats()["bandwidth_source"] == "link"
+
+
+def test_messages_spread_over_a_backward_pass_read_as_their_wire_time_not_the_busy_period():
+    """Three buckets 50 ms apart, 5 ms each on a 40 ms path: the busy period (0.145 s, one RTT off)
+    reads 3 x 100 kB over 0.105 s; each message's own time on the wire reads the link (20 MB/s)."""
+    from wanlink.c10d.auto_density import LinkDeliveryRate
+
+    link = _FakeLink(rtt_s=0.04)
+    rate = LinkDeliveryRate(lambda: [link])
+    assert rate(0.0) is None  # baselines
+    for step in range(10):
+        link.spread(step * 1.0, 100_000, 0.005, messages=3, apart_s=0.05)
+    assert rate(10.0) == pytest.approx(300_000 * 10 / (10 * 0.015))
+
+
+def test_the_busy_periods_stand_in_while_the_messages_wire_time_is_short():
+    from wanlink.c10d.auto_density import WIRE_MIN_S, LinkDeliveryRate
+
+    link = _FakeLink(rtt_s=0.04)
+    rate = LinkDeliveryRate(lambda: [link])
+    rate(0.0)
+    link.burst(0.0, 50_000, 0.04 + 0.01)  # 10 ms on the wire: too little for that meter
+    assert WIRE_MIN_S > 0.01 and rate(1.0) == pytest.approx(50_000 / 0.01)  # the busy period's sample
+    link.burst(2.0, 100_000, 0.04 + 0.03)  # busy: 100 kB / 30 ms; wire (10 ms carried over): 150 kB / 40 ms
+    assert rate(3.0) == pytest.approx(150_000 / 0.04)  # the higher of the two latest samples
 
 
 def test_without_links_the_exchange_times_stand_in():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -627,5 +628,36 @@ async def test_sending_time_counts_each_busy_period_until_its_last_ack(pair):
     await asyncio.gather(pair.client.send(b"z" * 1000, tag=3), pair.accepted.recv_into(bytearray(1000), tag=3))
     assert pair.client.sending.reading()[::2] == (301_000, 2)
     assert pair.accepted.sending.reading() == (0, 0.0, 0)  # it sent nothing but acks
+    acked, wire, messages = pair.client.wire.reading()  # Link.wire: per message, send to last ack
+    assert (acked, messages) == (301_000, 3) and wire > 0 and pair.accepted.wire.reading() == (0, 0.0, 0)
     rtt = pair.client.min_rtt_s()
     assert rtt is None or 0 < rtt < 1  # None over Unix sockets
+
+
+async def test_pending_says_what_a_stuck_link_still_sends_and_awaits(pair):
+    """Link.pending and registry.pending (the e2e benches' stall watchdog prints them): a send
+    nobody receives and a receive nothing arrives for are named with their bytes; a blocked event
+    loop is reported as such rather than waited on."""
+    from wanlink.io import registry
+
+    big = 3 * pair.client.eager_window()  # only the eager window leaves before the peer's grant
+    sending = asyncio.ensure_future(pair.client.send(bytearray(big), tag=3))
+    receiving = asyncio.ensure_future(pair.accepted.recv_into(bytearray(1000), tag=9))
+    await _until(lambda: pair.client.pending()["sends"] and pair.accepted.pending()["receives"])
+    client = pair.client.pending()
+    assert client["sends"] == [(3, 0, client["sends"][0][2], big)] and client["sends"][0][2] < big
+    assert client["held_messages"] == 1 and client["receives_pending"] == 0
+    assert pair.accepted.pending()["receives"] == [(9, 0, 0, 1000)]
+    from_thread = await asyncio.to_thread(registry.pending)
+    assert from_thread[pair.client.name]["sends"][0][:2] == (3, 0)
+    assert from_thread[pair.accepted.name]["receives"] == [(9, 0, 0, 1000)]
+    blocked = threading.Thread(target=lambda: answers.append(registry.pending(timeout=0.2)))
+    answers: list = []
+    blocked.start()
+    time.sleep(1.0)  # this loop is the links' loop: it cannot answer meanwhile
+    blocked.join()
+    assert all("did not answer" in state["error"] for state in answers[0].values())
+    await pair.accepted.recv_into(bytearray(big), tag=3)
+    await sending
+    assert pair.client.pending()["sends_pending"] == 0
+    receiving.cancel()

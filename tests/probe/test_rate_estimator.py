@@ -4,7 +4,7 @@ import random
 import pytest
 
 from wanlink.errors import ConfigError
-from wanlink.probe.rate import BurstRateMeter, DeliveryRateEstimator, SendingTime
+from wanlink.probe.rate import BurstRateMeter, DeliveryRateEstimator, SendingTime, WireTime
 
 MB = 1_000_000
 
@@ -153,3 +153,35 @@ def test_burst_rate_meter_carries_short_busy_time_over_and_rebases_restarted_cou
 def test_burst_rate_meter_refuses_non_positive_settings():
     with pytest.raises(ConfigError, match="min_busy_s and resolution_s"):
         BurstRateMeter(min_busy_s=0)
+
+
+# -- WireTime: each message from its send to its last ack, less the round trip, overlaps once ----
+
+def test_wire_time_counts_each_message_from_its_send_to_its_last_ack_less_the_round_trip():
+    wire = WireTime()
+    wire.on_message(1.0, 1.06, 100)  # 20 ms on the wire after a 40 ms round trip
+    assert wire.reading(rtt_s=0.04) == (100, pytest.approx(0.02), 1)
+    assert wire.reading(rtt_s=0.04) == (100, pytest.approx(0.02), 1)  # nothing new: the same counters
+
+
+def test_wire_time_leaves_out_the_gaps_between_messages_and_counts_overlap_once():
+    """A step's buckets leave tens of ms apart, each waiting a round trip for its acks: one busy
+    period of 0.1 s here for 36 ms of transmission. Messages overlapping on the wire (one queued
+    behind another, or one overtaken by an earlier deadline) share their time."""
+    wire = WireTime()
+    rtt = 0.04
+    wire.on_message(0.00, 0.05, 1000)  # on the wire 0.00-0.01
+    wire.on_message(0.03, 0.08, 1000)  # 0.03-0.04: the 20 ms gap before it does not count
+    wire.on_message(0.045, 0.10, 1000)  # 0.045-0.06
+    wire.on_message(0.05, 0.09, 1000)  # 0.05-0.051 (1 ms resolution), inside the one above: it overtook it
+    assert wire.reading(rtt) == (4000, pytest.approx(0.035), 4)
+    wire.on_message(0.055, 0.12, 500)  # finished later, overlapping what was counted: 0.06-0.08 only
+    assert wire.reading(rtt) == (4500, pytest.approx(0.055), 5)
+
+
+def test_wire_time_never_credits_a_message_with_less_than_its_resolution():
+    wire = WireTime(resolution_s=0.005)
+    wire.on_message(0.0, 0.03, 25_000)  # acknowledged within the round trip: the rate is unseen
+    assert wire.reading(rtt_s=0.04) == (25_000, pytest.approx(0.005), 1)
+    with pytest.raises(ConfigError, match="resolution_s"):
+        WireTime(resolution_s=0)

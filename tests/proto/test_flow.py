@@ -78,6 +78,20 @@ def test_grant_releases_chunks_still_waiting_for_credit_without_charging_them():
     assert flow.on_credit(10) == [] and flow.credit == 10 and flow.waiting_announced() == []
 
 
+def test_a_message_granted_while_it_waited_for_credit_does_not_hold_back_the_next_one():
+    """A send-then-receive exchange on both sides must not need the peer's grant while credit is
+    left: a message granted in full while it waited for credit leaves the queue of messages waiting
+    for credit, so the next small message goes eagerly at once (it used to wait behind the granted
+    one until a CREDIT frame came, and none comes once the peer's staged bytes wait on this send)."""
+    flow = SendFlow(max_grants=8, credit=100)
+    first, _ = flow.start(1, 0, pieces(120, 60), window=200)  # 60 eager now, 60 waits for credit
+    assert offsets(first) == [(0, True)] and flow.credit == 40
+    assert offsets(flow.on_grant(1, 0, started=True)) == [(60, False)]
+    second, announce = flow.start(2, 0, pieces(10, 10), window=200)
+    assert offsets(second) == [(0, True)] and not announce and flow.credit == 30
+    assert flow.held_messages == 0 and flow.waiting_announced() == []
+
+
 def test_grants_for_unsent_messages_are_bounded():
     flow = SendFlow(max_grants=2)
     flow.on_grant(1, 0, started=False)

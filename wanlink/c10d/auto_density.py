@@ -7,12 +7,15 @@ What the hook measures, without extra messages or round trips:
   end of the backward pass (the step's own with staleness 0, the previous step's with staleness 1)
   completed; compute = step time - exposed wait (the hook's own sparsifying stays in: it is on
   the critical path whatever the density);
-- bandwidth, by default from the links (``LinkDeliveryRate``): per step, the bytes the peer
-  acknowledged over the time the link had data unacknowledged, less one round trip (the kernel's
-  minimum RTT) per busy period, as every burst sent after an idle gap pays one before its rate
-  shows (``wanlink.probe.rate.BurstRateMeter``). Time this rank spent computing or waiting for
-  the peer with nothing in flight is not counted, unlike the exchange times, which count a late
-  peer or a busy CPU as a slow link. For a group whose links the hook cannot see (another
+- bandwidth, by default from the links (``LinkDeliveryRate``): per step, the higher of two
+  lower bounds (``wanlink.probe.rate``): the bytes the peer acknowledged over the time the link
+  had data unacknowledged, less one round trip (the kernel's minimum RTT) per busy period, as
+  every burst sent after an idle gap pays one before its rate shows (``SendingTime``); and the
+  bytes of the messages finished over their time on the wire, each from its send to its last ack
+  less one round trip, overlapping ones sharing their time (``WireTime``: the gaps between a
+  step's buckets, which a busy period spans, drop out). Time this rank spent computing or waiting
+  for the peer with nothing in flight is not counted, unlike the exchange times, which count a
+  late peer or a busy CPU as a slow link. For a group whose links the hook cannot see (another
   backend) it falls back to those: the bytes a step sent over the summed durations (launch to
   completion) of its exchanges, less all but one latency (the shortest recent exchange's duration
   stands for it). ``bandwidth=`` replaces both with a source of the caller's (a simulated schedule
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 PROPOSAL_BYTES = 8  # float64 after each bucket's frames
 LAG = 2  # a proposal made at step t applies from step t + LAG
+WIRE_MIN_S = 0.02  # wire time a sample of the messages' meter needs (a step at 0.1 % has a few ms)
 
 
 class LinkDeliveryRate:
@@ -52,7 +56,9 @@ class LinkDeliveryRate:
 
     def __init__(self, links: Callable[[], list], **meter_options):
         self.links = links
-        self.meter = BurstRateMeter(**meter_options)
+        self.meter = BurstRateMeter(**meter_options)  # busy periods, one RTT off each
+        self.wire_meter = BurstRateMeter(min_busy_s=WIRE_MIN_S)  # messages' time on the wire (RTT off already)
+        self.latest: dict[str, float] = {}  # each meter's latest sample
         self.available = False
         self.rtt_s = 0.0  # the links' minimum RTT at the last call: the controller's latency
 
@@ -61,9 +67,16 @@ class LinkDeliveryRate:
         self.available = bool(links)
         if not links:
             return None
-        rtts = [rtt for rtt in (link.min_rtt_s() for link in links) if rtt is not None]
-        self.rtt_s = min(rtts, default=0.0)
-        return self.meter.update([(id(link), *link.sending.reading()) for link in links], self.rtt_s)
+        rtts = [link.min_rtt_s() for link in links]
+        self.rtt_s = min((rtt for rtt in rtts if rtt is not None), default=0.0)
+        busy = self.meter.update([(id(link), *link.sending.reading()) for link in links], self.rtt_s)
+        wire = self.wire_meter.update([(id(link), *link.wire.reading(rtt or self.rtt_s))
+                                       for link, rtt in zip(links, rtts)], 0.0)
+        if busy is None and wire is None:
+            return None
+        # both err low (see wanlink.probe.rate.WireTime): the higher one is the nearer
+        self.latest.update((name, rate) for name, rate in (("busy", busy), ("wire", wire)) if rate is not None)
+        return max(self.latest.values())
 
 
 def group_links(group) -> list:

@@ -19,7 +19,7 @@ from wanlink.proto.frames import (
 )
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
-from wanlink.probe.rate import DeliveryRateEstimator, SendingTime
+from wanlink.probe.rate import DeliveryRateEstimator, SendingTime, WireTime
 from wanlink.sched.chunking import OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
 
@@ -124,6 +124,7 @@ class Link:
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
         self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
         self.sending = SendingTime()  # busy periods of what we send (density="auto" reads it)
+        self.wire = WireTime()  # and each message's time on the wire
 
     def record_send_order(self, maxlen: int = 100_000) -> collections.deque:
         """Start logging the order in which chunks leave (for tests and tracing); returns the log."""
@@ -198,7 +199,8 @@ class Link:
         transfer.settle_written = until == "written"
         done = self.loop.create_future()
         self._outgoing[(tag, seq)] = (transfer, done)
-        self.sending.on_send(time.monotonic())  # not loop.time(): uvloop's ticks are whole milliseconds
+        transfer.started = time.monotonic()  # not loop.time(): uvloop's ticks are whole milliseconds
+        self.sending.on_send(transfer.started)
         if tag == PROBE_DISCARD_TAG:  # dropped by the peer: no flow control
             self._queue_chunks([(chunk, False) for chunk in transfer.chunks])
         else:
@@ -323,6 +325,7 @@ class Link:
             self.sending.on_ack(header.raw_len)
             if transfer.complete:
                 del self._outgoing[key]
+                self.wire.on_message(transfer.started, time.monotonic(), transfer.total)
                 if not self._outgoing:  # nothing left to send: the coming gap is the application's
                     self.delivery.on_idle(now)
                     self.sending.on_idle(time.monotonic())
@@ -609,6 +612,20 @@ class Link:
     def stream_sockets(self) -> list[socket.socket | None]:
         """Each stream's socket by stream index (None once that stream died), for TCP_INFO readers."""
         return [stream.sock if stream.alive else None for stream in self._streams]
+
+    def pending(self, limit: int = 20) -> dict:
+        """What this link still owes and awaits, to say where a stuck exchange stands (call on the
+        link's loop): sends not finished (tag, seq, bytes acknowledged, total), posted receives not
+        complete (tag, seq, bytes received, size), chunks queued and in flight per stream, messages
+        flow control holds back and the peer's eager credit left. At most ``limit`` of each list."""
+        sends = [(t.tag, t.seq, t.acked_bytes, t.total) for t, _done in self._outgoing.values()]
+        receives = [(e.tag, e.seq, e.received, len(e.buffer)) for e in self.reassembler.pending()]
+        return {"peer": self.peer_description, "sends": sends[:limit], "sends_pending": len(sends),
+                "receives": receives[:limit], "receives_pending": len(receives),
+                "queued_chunks": len(self.queue), "held_messages": self.flow.held_messages,
+                "eager_credit": self.flow.credit, "unexpected_bytes_held": self.reassembler.unexpected_bytes,
+                "in_flight_per_stream": [len(s.in_flight) if s.alive else None for s in self._streams],
+                "silent_s": self.silent_s(), "error": None if self.error is None else str(self.error)}
 
     def stats(self) -> dict:
         """Counters for this link (safe to read from any thread)."""

@@ -163,3 +163,50 @@ class BurstRateMeter:
             return None
         self._base = current
         return acked / max(busy - periods * max(rtt_s, 0.0), periods * self.resolution_s)
+
+
+class WireTime:
+    """How long a sender's messages spent on the wire, from their send and last-ack times (pure;
+    the caller gives the times).
+
+    A message sent at ``start`` whose last byte was acknowledged at ``end`` took ``rtt + bytes /
+    rate`` plus any queueing behind other messages and the acks' delays: its transmission lies
+    inside ``[start, end - rtt]`` (counted as at least ``resolution_s``: a message acknowledged
+    within its round trip shows only that the rate is at least that high). ``reading(rtt)`` folds
+    the messages finished since the last reading into cumulative counters: their bytes, and the
+    length of the union of their intervals, so messages overlapping on the wire share their time,
+    and the gaps between them, while the application computed, do not count. Unlike
+    ``SendingTime``'s busy periods, which at a low density span a whole backward pass (a step's
+    buckets leave tens of milliseconds apart, each waiting a round trip for its acks); but each
+    message also carries both ends' ack delays, which dominate small messages on a loaded machine.
+    Both give lower bounds of the rate.
+    """
+
+    def __init__(self, resolution_s: float = 0.001):
+        if not resolution_s > 0:
+            raise ConfigError(f"resolution_s must be > 0, got {resolution_s}")
+        self.resolution_s = float(resolution_s)
+        self.acked_bytes = 0
+        self.wire_s = 0.0
+        self.messages = 0
+        self._finished: list[tuple[float, float, int]] = []  # (start, end, bytes) since the last reading
+        self._covered_until = -math.inf  # the end of the union of the intervals counted so far
+
+    def on_message(self, start: float, end: float, nbytes: int) -> None:
+        """A message of ``nbytes`` sent at ``start`` was acknowledged in full at ``end``."""
+        self._finished.append((start, end, nbytes))
+
+    def reading(self, rtt_s: float = 0.0) -> tuple[int, float, int]:
+        """(acked bytes, seconds on the wire, messages), cumulative, with the messages finished
+        since the last reading placed using the round trip ``rtt_s`` (the path's minimum)."""
+        finished, self._finished = self._finished, []
+        intervals = sorted((start, max(end - max(rtt_s, 0.0), start + self.resolution_s), nbytes)
+                           for start, end, nbytes in finished)
+        for start, stop, nbytes in intervals:
+            start = max(start, self._covered_until)
+            if stop > start:
+                self.wire_s += stop - start
+                self._covered_until = stop
+            self.acked_bytes += nbytes
+            self.messages += 1
+        return self.acked_bytes, self.wire_s, self.messages

@@ -95,7 +95,9 @@ class SendFlow:
         held = self._held.pop((tag, seq), None)
         if held is not None:
             released = [(item, False) for item, _size in (*held.eager, *held.rest)]
-            held.eager.clear()
+            if held.eager:  # it waited for credit: messages queued behind it need not any more
+                self._waiting.remove(held)
+                held.eager.clear()
             held.rest.clear()
             return released
         if not started:  # posted before we sent it: it goes in full when sent

@@ -62,6 +62,7 @@ class OutgoingTransfer:
         self.unacked = len(self.chunks)
         self.unwritten = len(self.chunks)  # chunks waiting for flow control, queued or being written
         self.settle_written = False  # the sender is released once every chunk is written (Link.send)
+        self.started = 0.0  # when Link.send took it (time.monotonic), for the link's wire time
 
     def written(self, chunk: Chunk) -> None:
         """``chunk`` went into a stream's kernel buffer in full."""
