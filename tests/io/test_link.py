@@ -536,6 +536,19 @@ async def test_idle_link_outlives_its_silence_timeout():
         await p.close()
 
 
+async def test_a_stalled_process_does_not_call_its_peers_silent():
+    p = await open_pair(2, timeout=0.5, server_options={"timeout": 0.5})
+    try:
+        await asyncio.sleep(0.3)
+        time.sleep(1.2)  # the whole loop stalls for over two timeouts: nobody pinged, nobody read
+        await asyncio.sleep(0.3)  # the watchdogs wake late, ping, and hear each other next round
+        await asyncio.gather(p.client.send(b"still here", tag=1), p.accepted.recv_into(out := bytearray(10), tag=1))
+        assert out == b"still here" and p.client.error is None and p.accepted.error is None
+        assert p.client.streams_alive == p.accepted.streams_alive == 2
+    finally:
+        await p.close()
+
+
 async def test_unix_socket_link_between_processes_of_one_host():
     from wanlink.io.link import LOOPBACK_CHUNK_SIZE
 

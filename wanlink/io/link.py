@@ -557,13 +557,17 @@ class Link:
     async def _watch(self) -> None:
         """Ping idle streams, drop silent ones, sample delivery rates."""
         interval = min(1.0, self.timeout / 4)
+        woke = self.loop.time()
         while True:
             await asyncio.sleep(interval)
             now = self.loop.time()
+            # A loop that overslept (this process stalled: GIL, swap, a loaded host) has not read what
+            # arrived meanwhile, nor sent its pings: judge silence from the next round on.
+            judge, woke = now - woke < 2 * interval, now
             for stream in self._streams:
                 if not stream.alive:
                     continue
-                if now - stream.last_rx > self.timeout:
+                if judge and now - stream.last_rx > self.timeout:
                     self.stream_failed(stream, PeerLost(
                         f"stream {stream.index} to {self.peer}: peer silent for more than {self.timeout:g} s"))
                 elif now - stream.last_tx >= interval and not stream.control:
