@@ -306,7 +306,7 @@ class BlockSparseState:
                 if group.get("betas", (0.0,))[0]:
                     raise ConfigError(_beta1_refusal(type(optimizer).__name__, group["betas"], self))
             elif self.staleness and self.density < 1.0 and group.get("momentum", 0):
-                warnings.warn(_own_momentum_warning(type(optimizer).__name__, group["momentum"]), stacklevel=2)
+                warnings.warn(_own_momentum_warning(type(optimizer).__name__, group["momentum"]), stacklevel=4)
         self._checked.add(optimizer)
 
     def world_size(self) -> int:
