@@ -257,7 +257,21 @@ def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: 
                for phase in PHASES if phase in steady[0]}
     return {"variant": name, **VARIANTS[name], "iterations": iterations, "chunk_order": chunk_order, "secure": secure,
             "median_iteration_s": statistics.median(r["seconds"] for r in steady), **medians,
+            # throughput: with staleness 1 the step times can alternate (a long wait, then short steps)
+            "mean_iteration_s": (steady[-1]["wall"] - steady[0]["wall"]) / max(len(steady) - 1, 1),
             "final_loss": statistics.mean(r["loss"] for r in result["records"][-DATA_BATCHES:]), **result}
+
+
+def median_exchange_s(row: dict) -> float:
+    """Median time from a step's last bucket hook returning (its exchange launched) to the last byte of
+    that step's last exchange arriving (rank 0): the one-way delay plus transfer and the transport's CPU."""
+    arrivals = {}
+    for iteration, _index, arrived in (row.get("timeline") or {}).get("arrivals", []):
+        arrivals[iteration] = max(arrived, arrivals.get(iteration, arrived))
+    records = row["records"]
+    spans = [arrivals[r["iteration"]] - (r["wall"] - r["step_s"] - r["wait_s"])
+             for r in records[SKIP_FIRST:] if r["iteration"] in arrivals]
+    return statistics.median(spans) if spans else float("nan")
 
 
 def _label(row: dict) -> str:
@@ -450,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "median_hook_s" in row:
                     row["median_backward_compute_s"] = (row["median_backward_s"] - row["median_hook_s"]
                                                         - row["median_wait_s"])
+                    row["median_exchange_s"] = median_exchange_s(row)
                 rows.append(row)
                 print(f"{rate:g} Mbit/s {name} ({order}{', secure' if secure else ''}): "
                       f"{row['median_iteration_s']:.3f} s/iteration", flush=True)
@@ -471,10 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, [("rate_mbit", "Mbit/s", "g"), ("variant", "variant", ""), ("chunk_order", "order", ""),
                        ("secure", "secure", ""),
                        ("iterations", "iters", "d"),
-                       ("median_iteration_s", "s/iteration", ".3f"), ("speedup_vs_gloo", "x gloo", ".1f"),
+                       ("median_iteration_s", "s/iteration", ".3f"), ("mean_iteration_s", "mean", ".3f"),
+                       ("speedup_vs_gloo", "x gloo", ".1f"),
                        ("speedup_vs_gloo_same_wire", "x gloo same wire", ".1f"),
                        ("median_forward_s", "forward", ".3f"), ("median_backward_s", "backward", ".3f"),
                        ("median_hook_s", "hook", ".3f"), ("median_wait_s", "wait", ".3f"),
+                       ("median_exchange_s", "exchange", ".3f"),
                        ("median_step_s", "step", ".3f"), ("median_cpu_s", "CPU s", ".3f"),
                        ("final_loss", "final loss", ".2f"), ("dense_floor_s", "dense bw floor s", ".2f")])
     slack = slack_summary(rows)

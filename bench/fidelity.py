@@ -431,8 +431,11 @@ def merge(paths) -> tuple[list[dict], list[dict]]:
     for path in paths:
         data = json.loads(Path(path).read_text())
         header = data.get("header", {})
-        parts.append({"file": Path(path).name, **{key: header.get(key) for key in
-                                                  ("date_utc", "seconds", "load_before", "load_after", "command")}})
+        parts.extend(data.get("parts") or [])  # a merged file: its own parts, not its merge call
+        if not data.get("parts"):
+            parts.append({"file": Path(path).name, **{key: header.get(key) for key in
+                                                      ("date_utc", "seconds", "load_before", "load_after",
+                                                       "command")}})
         for run in data["runs"]:
             runs[(run["shape"], run["seed"], run["mode"], run["optimizer"])] = run
     return list(runs.values()), parts

@@ -1,5 +1,6 @@
 """The block-sparse DDP comm hook on 2-rank wanlink worlds over loopback."""
 import threading
+import warnings
 
 import pytest
 import torch
@@ -316,21 +317,31 @@ def test_momentum_optimizers_behind_sparse_updates_are_refused():
 
 
 def _sparse_sgd_with_the_hook_momentum(rank, size):
-    in_hook, _, _ = _train(rank, size, {"density": 0.1, "staleness": 1, "sparse_optimizer": True, "momentum": 0.9},
-                           optimizer_name="sparse")
+    sparse = {"density": 0.1, "sparse_optimizer": True}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        in_hook, _, _ = _train(rank, size, {**sparse, "staleness": 1, "momentum": 0.9}, optimizer_name="sparse")
+        quiet = [str(w.message) for w in caught]
+        _train(rank, size, {**sparse, "staleness": 1}, momentum=0.9, optimizer_name="sparse")
+        stale = [str(w.message) for w in caught][len(quiet):]
+        _train(rank, size, sparse, momentum=0.9, optimizer_name="sparse")
+        fresh = [str(w.message) for w in caught][len(quiet) + len(stale):]
     try:
-        _train(rank, size, {"density": 0.1, "sparse_optimizer": True, "momentum": 0.9}, momentum=0.9,
-               optimizer_name="sparse")
+        _train(rank, size, {**sparse, "momentum": 0.9}, momentum=0.9, optimizer_name="sparse")
         twice = None
     except ConfigError as error:
         twice = str(error)
-    return bool(torch.isfinite(in_hook).all()), twice
+    return bool(torch.isfinite(in_hook).all()), twice, quiet, stale, fresh
 
 
 def test_sparse_sgd_takes_the_hook_momentum_but_not_both():
-    for in_hook_finite, twice in run_world(2, _sparse_sgd_with_the_hook_momentum):
+    for in_hook_finite, twice, quiet, stale, fresh in run_world(2, _sparse_sgd_with_the_hook_momentum):
         assert in_hook_finite
         assert twice and "momentum twice" in twice
+        # its own momentum with staleness 1 warns, naming momentum correction; the hook's momentum does not
+        assert not [m for m in quiet if "SparseSGD" in m] and not [m for m in fresh if "SparseSGD" in m]
+        assert [m for m in stale if "SparseSGD(momentum=0.9) on stale" in m and "momentum=0.9)" in m
+                and "SparseSGD(momentum=0)" in m]
 
 
 def test_hook_options_are_validated():

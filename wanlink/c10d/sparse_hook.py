@@ -25,14 +25,16 @@ Momentum: an optimizer with momentum behind sparse updates diverges (error feedb
 block's gradients in bursts, which the momentum keeps applying for tens of steps), so it is
 refused at its first step. Either ``momentum=`` here (Deep Gradient Compression's momentum
 correction: the velocity is sparsified, a sent block's velocity restarts) with a momentum-free
-optimizer (torch's, or SparseSGD with ``sparse_optimizer=True``), or ``sparse_optimizer=True`` with
-SparseSGD's own momentum, which only moves updated blocks.
+optimizer (torch's, or SparseSGD with ``sparse_optimizer=True``). SparseSGD's own momentum behind
+``sparse_optimizer=True`` is allowed but warns with ``staleness=1``: it moves a block only at its
+deliveries, so a burst keeps being applied for ~1/(1-momentum) deliveries (docs/sparse.md).
 Adam's first moment is momentum too: Adam/AdamW with ``beta1 > 0`` is refused the same way, and
 ``momentum=beta1`` here with ``betas=(0.0, beta2)`` is what to use.
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -303,6 +305,8 @@ class BlockSparseState:
                     raise ConfigError(_momentum_refusal(type(optimizer).__name__, group["momentum"], self))
                 if group.get("betas", (0.0,))[0]:
                     raise ConfigError(_beta1_refusal(type(optimizer).__name__, group["betas"], self))
+            elif self.staleness and self.density < 1.0 and group.get("momentum", 0):
+                warnings.warn(_own_momentum_warning(type(optimizer).__name__, group["momentum"]), stacklevel=4)
         self._checked.add(optimizer)
 
     def world_size(self) -> int:
@@ -398,8 +402,15 @@ def _momentum_refusal(optimizer: str, momentum: float, state: BlockSparseState) 
     return (f"{optimizer}(momentum={momentum}) on block-sparse updates (density {state.density}) diverges: "
             f"error feedback delivers many steps of a block's gradient at once and the optimizer's momentum "
             f"keeps pushing it for ~1/(1-momentum) steps after (docs/sparse.md). Move the momentum into the "
-            f"hook: BlockSparseState(..., momentum={momentum}) with {optimizer}(momentum=0); or use "
-            f"BlockSparseState(..., sparse_optimizer=True) with wanlink.optim.SparseSGD(momentum={momentum})")
+            f"hook: BlockSparseState(..., momentum={momentum}) with {optimizer}(momentum=0), or with "
+            f"sparse_optimizer=True and wanlink.optim.SparseSGD(momentum=0)")
+
+
+def _own_momentum_warning(optimizer: str, momentum: float) -> str:
+    return (f"{optimizer}(momentum={momentum}) on stale block-sparse updates: a block's momentum moves only when "
+            f"the block is delivered, so a burst keeps being applied at its next ~1/(1-momentum) deliveries, long "
+            f"after its gradient changed (out of fidelity target on the digits CNN at staleness 1, docs/sparse.md). "
+            f"Use momentum correction: BlockSparseState(..., momentum={momentum}) with {optimizer}(momentum=0)")
 
 
 def _beta1_refusal(optimizer: str, betas: tuple, state: BlockSparseState) -> str:
@@ -410,8 +421,8 @@ def _beta1_refusal(optimizer: str, betas: tuple, state: BlockSparseState) -> str
     return (f"{optimizer}(betas=({beta1}, {beta2})) on block-sparse updates (density {state.density}): its first "
             f"moment keeps pushing each burst that error feedback delivers for ~1/(1-beta1) steps, like SGD's "
             f"momentum (docs/sparse.md). Move beta1 into the hook: BlockSparseState(..., momentum={beta1}) with "
-            f"{optimizer}(betas=(0.0, {beta2})); or use BlockSparseState(..., sparse_optimizer=True) with "
-            f"wanlink.optim.SparseSGD(momentum={beta1})")
+            f"{optimizer}(betas=(0.0, {beta2})); or use BlockSparseState(..., momentum={beta1}, "
+            f"sparse_optimizer=True) with wanlink.optim.SparseSGD(momentum=0)")
 
 
 def _completed(value: torch.Tensor) -> torch.futures.Future:
