@@ -58,8 +58,14 @@ def _batch_size(batch) -> int:
 
 def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3, iterations: int = 10,
                   bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, density: float | None = None,
-                  name: str | None = None) -> Profile:
-    """Time ``iterations`` training steps of ``model`` on ``batch`` (after ``warmup`` untimed ones)."""
+                  name: str | None = None, background=None) -> Profile:
+    """Time ``iterations`` training steps of ``model`` on ``batch`` (after ``warmup`` untimed ones).
+
+    ``background``: called as each step begins, it starts work that runs beside the step (e.g.
+    the training's exchanges, launched asynchronously) and returns a function that waits for that
+    work, called once the step's compute has been timed; the profile then shows what compute costs
+    while the link is busy (``Profile.while_exchanging``).
+    """
     import torch
 
     if warmup < 0 or iterations < 1:
@@ -92,6 +98,7 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
                     values.clear()
             ready.clear()
             optimizer.zero_grad(set_to_none=False)
+            finish_background = background() if background is not None else None
             begin = time.perf_counter()
             loss = loss_fn(model(_inputs(batch)), batch)
             forward_end = time.perf_counter()
@@ -99,6 +106,8 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
             backward_end = time.perf_counter()
             optimizer.step()
             end = time.perf_counter()
+            if finish_background is not None:
+                finish_background()
             if timed:
                 totals["forward_s"].append(forward_end - begin)
                 totals["backward_s"].append(backward_end - forward_end)
