@@ -47,7 +47,7 @@ DEPTH_IN, WIDTH, CLASSES, BATCH = 1024, 1024, 256, 64
 BUCKET_CAP_MB = 4
 SKIP_FIRST = 5  # excluded from the median: DDP bucket rebuild, TCP ramp-up, the first stale step
 PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
-BUSY_WARMUP, BUSY_ITERATIONS = 2, 6  # the profile beside the training's exchanges (each step waits for them)
+BUSY_WARMUP = 2  # the profile beside the training's exchanges (each step waits for them): 6 to 16 steps
 LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
 LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
@@ -59,6 +59,13 @@ def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8
     return {"name": name, "ranks": ranks, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "density": density,
             "staleness": staleness, "streams": streams, "order": order, "bucket_cap_mb": bucket_cap_mb,
             "iterations": iterations or _iterations(density, rate_mbit)}
+
+
+def _busy_iterations(config: dict) -> int:
+    """Steps of the busy profile: each lasts as long as its exchanges (up to 1.2 s dense at 100 Mbit/s)."""
+    if config["density"] is not None:
+        return 16
+    return 6 if config["rate_mbit"] <= 500 else 12
 
 
 def _iterations(density, rate_mbit) -> int:
@@ -125,8 +132,8 @@ def worker(args) -> None:
     options = {"bucket_cap_mb": config["bucket_cap_mb"], "density": config["density"], "name": "bench.predict MLP"}
     profile = profile_model(make_model(), batch, warmup=PROFILE_WARMUP, iterations=PROFILE_ITERATIONS, **options)
     exchanges = training_exchanges(dist, torch, profile, config)
-    busy = profile_model(make_model(), batch, warmup=BUSY_WARMUP, iterations=BUSY_ITERATIONS, background=exchanges,
-                         **options)
+    busy = profile_model(make_model(), batch, warmup=BUSY_WARMUP, iterations=_busy_iterations(config),
+                         background=exchanges, **options)
     ddp = DDP(model, bucket_cap_mb=config["bucket_cap_mb"], gradient_as_bucket_view=True)
     state = None
     if config["density"] is not None:
