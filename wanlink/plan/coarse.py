@@ -24,7 +24,7 @@ from wanlink.plan.choice import Choice, bucket_message_bytes, bucket_phases, ran
 from wanlink.plan.cluster import Cluster
 from wanlink.plan.profile import Profile
 from wanlink.plan.simulate import Prediction
-from wanlink.plan.topology import Network
+from wanlink.plan.topology import WINDOW, Network
 
 ARCHITECTURES = ("ring", "ps")
 
@@ -38,7 +38,8 @@ def collective_seconds(net: Network, phases) -> float:
         load: dict = {}
         for t in phase:
             for resource, count in t.usage.items():
-                load[resource] = load.get(resource, 0.0) + count * t.edge_bytes
+                if resource[0] != WINDOW:  # one bucket's collective at a time: its own cap covers the link's
+                    load[resource] = load.get(resource, 0.0) + count * t.edge_bytes
         shared = max((nbytes / net.capacity[r] for r, nbytes in load.items() if nbytes), default=0.0)
         total += max(max(t.duration_alone(net.capacity) for t in phase),
                      shared + max(t.latency_s for t in phase))

@@ -23,7 +23,7 @@ from wanlink.errors import ConfigError
 from wanlink.plan.choice import Choice, bucket_phases, rank_profiles, sparsify_seconds
 from wanlink.plan.cluster import Cluster
 from wanlink.plan.profile import Profile
-from wanlink.plan.topology import Transfer
+from wanlink.plan.topology import WINDOW, Transfer
 
 TIMELINE_RANKS = 16  # ranks whose compute segments are kept for the timeline
 
@@ -58,8 +58,20 @@ class _Flow:
         return self.transfer.edge_bytes - self.transfer.free_bytes
 
     @property
+    def windowed(self) -> bool:
+        """Its first windows are out: the window caps (its own and its link's) bind."""
+        return self.remaining <= self.capped_at
+
+    @property
     def cap(self) -> float:
-        return self.transfer.cap if self.remaining <= self.capped_at else math.inf
+        return self.transfer.cap if self.windowed else math.inf
+
+    @property
+    def usage(self) -> dict:
+        """Resources it loads now: the link's shared window only once its first windows are out."""
+        if self.windowed:
+            return self.transfer.usage
+        return {r: n for r, n in self.transfer.usage.items() if r[0] != WINDOW}
 
     def next_change(self, now: float) -> tuple[float, float]:
         """(when, remaining bytes then): this flow ends or its window cap starts to bind, at its current rate."""
@@ -84,7 +96,7 @@ def allocate(flows: list, capacity: dict) -> None:
             while position[group] < len(members):
                 head = members[position[group]]
                 if head.rate >= head.cap * (1 - 1e-9) or any(
-                        left[r] <= capacity[r] * 1e-9 for r, n in head.transfer.usage.items() if n):
+                        left[r] <= capacity[r] * 1e-9 for r, n in head.usage.items() if n):
                     position[group] += 1  # saturated: the next one in the group gets what is left
                     continue
                 heads.append(head)
@@ -93,7 +105,7 @@ def allocate(flows: list, capacity: dict) -> None:
             return
         load: Counter = Counter()
         for head in heads:
-            for resource, count in head.transfer.usage.items():
+            for resource, count in head.usage.items():
                 load[resource] += count
         step = max(0.0, min([h.cap - h.rate for h in heads] + [left[r] / n for r, n in load.items() if n]))
         if math.isinf(step):  # nothing limits these flows (no shared resource): a very large rate
