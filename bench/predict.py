@@ -132,8 +132,11 @@ def worker(args) -> None:
     options = {"bucket_cap_mb": config["bucket_cap_mb"], "density": config["density"], "name": "bench.predict MLP"}
     profile = profile_model(make_model(), batch, warmup=PROFILE_WARMUP, iterations=PROFILE_ITERATIONS, **options)
     exchanges = training_exchanges(dist, torch, profile, config)
+    cpu, main_thread = time.process_time(), time.thread_time()
     busy = profile_model(make_model(), batch, warmup=BUSY_WARMUP, iterations=_busy_iterations(config),
                          background=exchanges, **options)
+    # the CPU the rank's other threads (wanlink's event loop, its completion thread) spent per step's exchanges
+    transport_cpu_s = ((time.process_time() - cpu) - (time.thread_time() - main_thread)) / len(exchanges.seconds)
     ddp = DDP(model, bucket_cap_mb=config["bucket_cap_mb"], gradient_as_bucket_view=True)
     state = None
     if config["density"] is not None:
@@ -161,7 +164,8 @@ def worker(args) -> None:
         optimizer.step()
     dist.barrier()
     Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(),
-                                             "busy_profile": busy.to_json(), "seconds": seconds,
+                                             "busy_profile": busy.to_json(), "transport_cpu_s": transport_cpu_s,
+                                             "seconds": seconds,
                                              "forward": forward, "backward": backward, "cpu_s": cpu_s,
                                              "lone_allreduce_s": probe_s,
                                              "busy_exchange_s": statistics.median(exchanges.seconds[BUSY_WARMUP:])}))
@@ -321,6 +325,7 @@ def measure(path, config: dict, port: int) -> dict:
             "per_rank_median_s": per_rank, "halves_s": halves,
             "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
             "busy_profiles": [r["busy_profile"] for r in results],
+            "transport_cpu_s": [r["transport_cpu_s"] for r in results],
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
             "train_backward_s": [statistics.median(r["backward"][SKIP_FIRST:]) for r in results],
             "rank_cpu_s_per_iteration": [r["cpu_s"] / len(r["seconds"]) for r in results],

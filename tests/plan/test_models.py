@@ -67,9 +67,15 @@ def test_staleness_one_hides_communication_up_to_compute():
     cluster = two_sites()
     comm_bound = profile()
     # the link never idles: the period is the exchange's sending time (0.4 s), its delays overlap the
-    # next exchange; the coarse model adds them (0.46 s)
+    # next exchange
     assert simulate(cluster, comm_bound, Choice(staleness=1), iterations=8).iteration_s == pytest.approx(0.4)
-    assert coarse(cluster, comm_bound, Choice(staleness=1)).iteration_s == pytest.approx(0.46)
+    assert coarse(cluster, comm_bound, Choice(staleness=1)).iteration_s == pytest.approx(0.4)
+    # a small exchange on a long path: two steps per chain of forward, backward to the bucket, its
+    # 4 ms of sending, the exchange's two one-way delays (hop, acknowledgement) and the step
+    latency_bound = profile(buckets=((40_000, 0.02),), forward=0.01, backward=0.02, step=0.005)
+    chain = 0.01 + 0.02 + 0.004 + 0.04 + 0.005
+    assert simulate(cluster, latency_bound, Choice(staleness=1), iterations=8).iteration_s == pytest.approx(chain / 2)
+    assert coarse(cluster, latency_bound, Choice(staleness=1)).iteration_s == pytest.approx(chain / 2)
     compute_bound = profile(buckets=((40_000, 0.02),), forward=0.3, backward=0.2, step=0.1)
     assert simulate(cluster, compute_bound, Choice(staleness=1), iterations=6).iteration_s == pytest.approx(0.6)
     assert coarse(cluster, compute_bound, Choice(staleness=1)).iteration_s == pytest.approx(0.6)
