@@ -329,7 +329,7 @@ def measure(path, config: dict, port: int) -> dict:
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
             "train_backward_s": [statistics.median(r["backward"][SKIP_FIRST:]) for r in results],
             "rank_cpu_s_per_iteration": [r["cpu_s"] / len(r["seconds"]) for r in results],
-            "emulator_cores": emulator_cores,
+            "emulator_cores": emulator_cores, "host_cores": os.cpu_count(),
             # the slowest rank's view (as measured_s): the rank that leaves the barrier first waits longest
             "lone_allreduce_s": {size: max(r["lone_allreduce_s"][size] for r in results)
                                  for size in results[0]["lone_allreduce_s"]},
@@ -346,14 +346,27 @@ def lan_rate(source: Path = LOOPBACK_UNIX) -> str:
     raise ValueError(f"{source}: no wanlink row over Unix sockets with 1 stream")
 
 
+def site_cores(row: dict) -> float | None:
+    """Cores each namespace's ranks have: the two sites share the host's cores, less what the
+    emulator used during the configuration (rows measured since 2026-11-26 13:30; None before)."""
+    if "host_cores" not in row:
+        return None
+    return max(row["host_cores"] - row["emulator_cores"], 0.1) / 2
+
+
 def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
     from wanlink.plan import cluster_from_dict
 
     half = row["ranks"] // 2
+    sites = [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}]
+    cores = site_cores(row)
+    if cores:
+        for site in sites:
+            site["cores"] = cores
     return cluster_from_dict({
         "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": lan_rate(), "efficiency": efficiency,
                      "send_overhead": f"{overhead_ms} ms"},
-        "site": [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}],
+        "site": sites,
         "path": [{"sites": ["a", "b"], "rtt": f"{row['rtt_ms']} ms", "rate": f"{rate_mbit} Mbit/s"}]})
 
 
@@ -381,6 +394,8 @@ def predict(row: dict) -> dict:
     profiles = [profile_from_json(doc) for doc in row["profiles"]]
     if "busy_profiles" in row:  # rows measured before 2026-11-26 13:30 have no busy profile
         profiles = [p.while_exchanging(profile_from_json(busy)) for p, busy in zip(profiles, row["busy_profiles"])]
+    if "transport_cpu_s" in row:
+        profiles = [replace(p, transport_cpu_s=cpu) for p, cpu in zip(profiles, row["transport_cpu_s"])]
     profile = max(profiles, key=lambda p: p.compute_s * p.comm_slowdown)
     nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
     scaled = [p.scaled(speed=p.forward_s / measured) for p, measured in zip(profiles, row["train_forward_s"])]
@@ -391,7 +406,8 @@ def predict(row: dict) -> dict:
     measured = row["measured_s"]
     out = {"profile_compute_s": profile.compute_s, "running_compute_s": max(p.compute_s for p in scaled),
            "comm_slowdown": profile.comm_slowdown,
-           "uncontended_fine_s": simulate(calibrated, replace(profile, comm_slowdown=1.0), choice).iteration_s}
+           "uncontended_fine_s": simulate(calibrated, replace(profile, comm_slowdown=1.0, transport_cpu_s=0.0),
+                                                 choice).iteration_s}
     probed = _cluster(row, row["link_mbit"], 1.0)  # the link as a probe reports it: wanlink-iperf's goodput
     for label, cluster in (("", calibrated), ("profile_only_", nominal), ("iperf_", probed)):
         fine, rough = simulate(cluster, profile, choice), coarse(cluster, profile, choice)

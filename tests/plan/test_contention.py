@@ -59,3 +59,20 @@ def test_profiler_runs_the_background_beside_every_step():
     profile_model(model, (torch.randn(4, 8), torch.randint(0, 2, (4,))), warmup=1, iterations=3,
                   background=background)
     assert calls == ["start", "finish"] * 4
+
+
+def test_a_sites_cores_bound_the_period():
+    # two ranks per site on one core each site: per step 30 ms of compute alone (the sparse hook's
+    # 1 ms included) and 10 ms of transport CPU per rank: no period below 2 x 40 ms
+    doc = {"site": [{"name": "a", "ranks": 2, "cores": 1}, {"name": "b", "ranks": 2, "cores": 1}],
+           "path": [{"sites": ["a", "b"], "rtt": "1 ms", "rate": "80 Gbit/s"}]}
+    cluster = cluster_from_dict(doc)
+    busy = Profile("p", 32, 0.01, 0.015, 0.004, (Bucket(4000, 0.015, (1000,), sparsify_s=0.001),), density=0.01,
+                   transport_cpu_s=0.01)
+    for choice in (Choice(density=0.01), Choice(density=0.01, staleness=1)):
+        for model in (simulate, coarse):
+            assert model(cluster, busy, choice).iteration_s == pytest.approx(0.08)
+    unlimited = cluster_from_dict({**doc, "site": [{"name": "a", "ranks": 2}, {"name": "b", "ranks": 2}]})
+    assert simulate(unlimited, busy, Choice(density=0.01)).iteration_s < 0.05
+    with pytest.raises(ConfigError, match=r"site\[1\].cores must be a finite number > 0"):
+        cluster_from_dict({**doc, "site": [doc["site"][0], {"name": "b", "ranks": 2, "cores": 0}]})

@@ -56,11 +56,12 @@ class Choice:
         return " ".join(parts)
 
 
-def rank_profiles(cluster: Cluster, profile: Profile, choice: Choice) -> list[Profile]:
+def rank_profiles(cluster: Cluster, profile: Profile, choice: Choice, contended: bool = True) -> list[Profile]:
     """Each rank's profile: scaled by its speed and local batch, its compute that overlaps
-    exchanges slowed by the profile's ``comm_slowdown`` (``while_exchanging``)."""
+    exchanges slowed by the profile's ``comm_slowdown`` (``while_exchanging``) unless not ``contended``."""
     site_of = cluster.site_of_rank()
-    profile = while_exchanging(profile, choice)
+    if contended:
+        profile = while_exchanging(profile, choice)
     speeds = choice.rank_speeds or tuple(cluster.sites[s].speed for s in site_of)
     batches = choice.batches or (profile.batch_size,) * len(site_of)
     cache: dict = {}
@@ -121,3 +122,15 @@ def sparsify_seconds(profile: Profile, choice: Choice) -> list[float]:
     if choice.density is None:
         return [0.0] * len(profile.buckets)
     return [b.sparsify_s * profile.comm_slowdown for b in profile.buckets]
+
+
+def cpu_bound_s(cluster: Cluster, profile: Profile, choice: Choice) -> float:
+    """The shortest iteration the sites' cores allow (0 where no site gives ``cores``): a site's
+    ranks spend, per step, their compute alone (forward, backward, step, the sparse hook) and the
+    CPU their transport threads spend on the step's exchanges (``Profile.transport_cpu_s``), all of
+    it on the site's cores."""
+    demand = [0.0] * len(cluster.sites)
+    hook = sum(b.sparsify_s for b in profile.buckets) if choice.density is not None else 0.0
+    for site, rank in zip(cluster.site_of_rank(), rank_profiles(cluster, profile, choice, contended=False)):
+        demand[site] += rank.compute_s + hook + profile.transport_cpu_s
+    return max((need / site.cores for need, site in zip(demand, cluster.sites) if site.cores), default=0.0)

@@ -25,7 +25,8 @@ with ``B`` the rate one worker gets to the server alone. Compute times are the s
 from __future__ import annotations
 
 from wanlink.errors import ConfigError
-from wanlink.plan.choice import Choice, bucket_message_bytes, bucket_phases, rank_profiles, sparsify_seconds
+from wanlink.plan.choice import (Choice, bucket_message_bytes, bucket_phases, cpu_bound_s, rank_profiles,
+                                 sparsify_seconds)
 from wanlink.plan.cluster import Cluster
 from wanlink.plan.profile import Profile
 from wanlink.plan.simulate import Prediction
@@ -97,6 +98,7 @@ def coarse(cluster: Cluster, profile: Profile, choice: Choice = Choice(), archit
             iteration = max(forward + backward + hook + step, sum(sends), (forward + finish + step) / 2)
         else:
             iteration = forward + max(backward + hook, finish) + step
+    iteration = max(iteration, cpu_bound_s(cluster, profile, choice))
     breakdown = {"forward_s": forward, "backward_s": backward, "hook_s": hook, "step_s": step,
                  "wait_s": max(0.0, iteration - forward - backward - hook - step)}
     return Prediction("coarse", choice, iteration, breakdown, wan_bytes, comm)

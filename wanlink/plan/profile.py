@@ -47,6 +47,7 @@ class Profile:
     threads: int = 1
     iterations: int = 0
     comm_slowdown: float = 1.0  # compute time while the link carries exchanges / compute time alone (measured)
+    transport_cpu_s: float = 0.0  # CPU the rank's transport threads spend on one step's exchanges (measured)
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -103,7 +104,7 @@ def profile_from_json(doc: dict, source: str = "profile") -> Profile:
                        backward_s=doc["backward_s"], step_s=doc["step_s"], buckets=buckets, layers=layers,
                        density=doc.get("density"), threads=doc.get("threads", 1),
                        iterations=doc.get("iterations", 0), comm_slowdown=doc.get("comm_slowdown", 1.0),
-                       meta=doc.get("meta", {}))
+                       transport_cpu_s=doc.get("transport_cpu_s", 0.0), meta=doc.get("meta", {}))
     except KeyError as missing:
         raise ConfigError(f"{source}: missing field {missing.args[0]!r}") from None
     except TypeError as error:
@@ -130,7 +131,7 @@ def _check(profile: Profile) -> None:
 
     if not isinstance(profile.batch_size, int) or profile.batch_size < 1:
         raise ConfigError(f"batch_size must be an integer >= 1, got {profile.batch_size!r}")
-    for name in ("forward_s", "backward_s", "step_s"):
+    for name in ("forward_s", "backward_s", "step_s", "transport_cpu_s"):
         non_negative(getattr(profile, name), name)
     if isinstance(profile.comm_slowdown, bool) or not isinstance(profile.comm_slowdown, (int, float)) or not (
             math.isfinite(profile.comm_slowdown) and profile.comm_slowdown > 0):

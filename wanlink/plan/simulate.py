@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from wanlink.errors import ConfigError
-from wanlink.plan.choice import Choice, bucket_phases, rank_profiles, sparsify_seconds
+from wanlink.plan.choice import Choice, bucket_phases, cpu_bound_s, rank_profiles, sparsify_seconds
 from wanlink.plan.cluster import Cluster
 from wanlink.plan.profile import Profile
 from wanlink.plan.topology import WINDOW, Transfer
@@ -266,5 +266,9 @@ def simulate(cluster: Cluster, profile: Profile, choice: Choice = Choice(), iter
     steady = sim.phase_totals[settled:]
     breakdown = {key: sum(t[key] for t in steady) / (len(steady) * sim.world)
                  for key in ("forward_s", "backward_s", "hook_s", "wait_s", "step_s")}
+    cpu = cpu_bound_s(cluster, profile, choice)
+    if cpu > period:  # the cores cannot keep up: every rank waits for its share of them
+        breakdown["wait_s"] += cpu - period
+        period = cpu
     comm = sum(sim.comm_spans) / len(sim.comm_spans) if sim.comm_spans else 0.0
     return Prediction("fine", choice, period, breakdown, sim.wan_bytes, comm, sim.segments)
