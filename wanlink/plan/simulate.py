@@ -8,8 +8,10 @@ starts once every rank has it ready and runs as a chain of ``Transfer`` phases
 group (collectives over the same links) are served in priority order, FCFS (launch order) or EDF
 (deadline (iteration, -bucket): the first layers' bucket first), each taking what the ones before
 it leave; different groups share max-min fairly; no edge exceeds its ``streams x window / RTT``.
-A rank steps once its backward is done and the exchange of iteration ``i - staleness`` has ended.
-The reported iteration time is the mean period of the second half of the simulated iterations.
+Compute that overlaps communication runs at the profile's ``comm_slowdown`` (measured CPU
+contention). A rank steps once its backward is done and the exchange of iteration
+``i - staleness`` has ended. The reported iteration time is the mean period of the second half of
+the simulated iterations, at least what the sites' ``cores`` allow (``choice.cpu_bound_s``).
 """
 from __future__ import annotations
 
