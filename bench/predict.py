@@ -2,17 +2,20 @@
 
 Each configuration trains a small MLP with DDP over the wanlink backend between two network
 namespaces of a ``bench.wanem`` path (2 ranks: one per namespace; 4 ranks: two per namespace,
-which reach each other over Unix sockets, so the namespaces are two sites). Every rank first
-profiles its own training step with ``wanlink.plan.profiler.profile_model`` while the other ranks do
-the same (the same CPU sharing as in training), then trains and times its iterations. The
-prediction for a configuration uses the slowest rank's profile and a cluster description built
-from the path's settings (RTT, rate, the emulator's 1536 KiB window per flow, 1448/1500 goodput,
-the stream count), and compares the median measured iteration with the coarse and fine models.
-Before profiling, a configuration's ranks run the calibration: two 16 MiB all-reduces warm the
-link, then lone all-reduces of 64 KiB, 1 MiB and 4 MiB take turns; the headline predictions use the
-path's efficiency and per-step send overhead fitted to those (``calibrate_link``), never to the
-training iterations. Two more columns: the nominal link, and the goodput wanlink-iperf measured
-(8 streams, 4 s, before the path's configurations), as a probe would give it.
+which reach each other over Unix sockets, so the namespaces are two sites). Before training, a
+configuration's ranks measure every input the models read, all at once so that they share the CPU
+as in training: the calibration (two 16 MiB all-reduces warm the link, then lone all-reduces of
+64 KiB, 1 MiB and 4 MiB take turns), the profile of the step alone (``profile_model``, 20 steps),
+and the profile beside the training's exchanges (each step launches one collective per bucket,
+as DDP and the sparse hook do, and waits for them at its end): that gives ``comm_slowdown``, the
+time the exchanges took beside compute (which joins the calibration), and the CPU the rank's
+transport threads spent per step. Then they train; the median of the slowest rank's iterations
+(the first 5 discarded) is compared with the coarse and fine models, given the path's settings
+(RTT, rate, the emulator's 1536 KiB window per flow, the stream count), the path's efficiency and
+per-step send overhead fitted to the calibration (``calibrate_link``, never to the training
+iterations), and per namespace half the host's cores less the emulator's measured share. Two more
+columns: the nominal link, and the goodput wanlink-iperf measured (8 streams, 4 s, before the
+path's configurations), as a probe would give it.
 
     sudo python3 dev.py bench bench/predict.py [--only NAME...] [--out DIR | --publish]
     python3 dev.py bench bench/predict.py --predict-only --out bench/results
