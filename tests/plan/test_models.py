@@ -203,8 +203,8 @@ def test_one_rank_has_no_communication():
 
 def test_concurrent_buckets_share_the_links_windows():
     # one stream, 1 MB window, 100 ms RTT, two 4 MB buckets at once (FCFS): the first's first window
-    # leaves at line rate, its other 3 MB at the stream's 10 MB/s; the second's first window leaves
-    # meanwhile, its other 3 MB only then (one stream: 10 MB/s for both); then 3 one-way delays
+    # leaves at line rate, its other 3 MB at the stream's 10 MB/s; the second finds the link's
+    # window in use (no burst) and sends its 4 MB at 10 MB/s after it; then 3 one-way delays
     cluster = two_sites(rtt="100 ms", rate="800 Mbit/s", window="1 MB", streams=1)
     prof = profile(buckets=((4_000_000, 0.0), (4_000_000, 0.0)), forward=0.0, backward=0.0, step=0.0)
-    assert simulate(cluster, prof).iteration_s == pytest.approx(1 / 100 + 3 / 10 + 3 / 10 + 0.15)
+    assert simulate(cluster, prof).iteration_s == pytest.approx(1 / 100 + 3 / 10 + 4 / 10 + 0.15)

@@ -49,15 +49,16 @@ class Prediction:
 
 
 class _Flow:
-    __slots__ = ("transfer", "key", "remaining", "rate", "done")
+    __slots__ = ("transfer", "key", "remaining", "rate", "done", "free")
 
     def __init__(self, transfer: Transfer, key: tuple, done):
         self.transfer, self.key, self.remaining, self.rate, self.done = transfer, key, transfer.edge_bytes, 0.0, done
+        self.free = transfer.free_bytes  # bytes that leave at line rate: its first windows, on an idle link
 
     @property
     def capped_at(self) -> float:
         """Remaining bytes below which the window cap binds (the first windows leave at line rate)."""
-        return self.transfer.edge_bytes - self.transfer.free_bytes
+        return self.transfer.edge_bytes - self.free
 
     @property
     def windowed(self) -> bool:
@@ -219,6 +220,9 @@ class _Simulation:
         if flow.remaining <= 0:
             self.at(self.now + flow.transfer.latency_s, flow.done)
             return
+        links = {r for r in flow.transfer.usage if r[0] == WINDOW}
+        if any(links.intersection(other.transfer.usage) for other in self.flows):
+            flow.free = 0.0  # the link's windows are in use: no burst at line rate, it waits its turn in them
         self.flows.append(flow)
         allocate(self.flows, self.net.capacity)
 
