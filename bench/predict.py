@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 DEPTH_IN, WIDTH, CLASSES, BATCH = 1024, 1024, 256, 64
 BUCKET_CAP_MB = 4
-SKIP_FIRST = 5  # excluded from the median: DDP bucket rebuild, TCP ramp-up, the first stale step
+SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
 PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
 BUSY_WARMUP = 2  # the profile beside the training's exchanges (each step waits for them): 6 to 16 steps
 LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
@@ -319,14 +319,8 @@ def measure(path, config: dict, port: int) -> dict:
             raise RuntimeError(f"{config['name']}: ranks exited with {codes}")
         results = [json.loads(Path(out).read_text()) for out in outs]
     emulator_cores = (path.cpu_seconds() - emulator_cpu) / (time.monotonic() - started)
-    timed = [r["seconds"][SKIP_FIRST:] for r in results]
-    per_rank = [statistics.median(values) for values in timed]
-    half = len(timed[0]) // 2  # the two halves' medians: how much the median moves within one run
-    halves = [max(statistics.median(values[:half]) for values in timed),
-              max(statistics.median(values[half:]) for values in timed)]
-    return {**config, "collective": wanlink_collective(ranks), "measured_s": max(per_rank),
-            "per_rank_median_s": per_rank, "halves_s": halves,
-            "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
+    row = {**config, "collective": wanlink_collective(ranks),
+           "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
             "busy_profiles": [r["busy_profile"] for r in results],
             "transport_cpu_s": [r["transport_cpu_s"] for r in results],
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
@@ -336,7 +330,23 @@ def measure(path, config: dict, port: int) -> dict:
             # the slowest rank's view (as measured_s): the rank that leaves the barrier first waits longest
             "lone_allreduce_s": {size: max(r["lone_allreduce_s"][size] for r in results)
                                  for size in results[0]["lone_allreduce_s"]},
-            "busy_exchange_s": max(r["busy_exchange_s"] for r in results)}
+            "busy_exchange_s": max(r["busy_exchange_s"] for r in results),
+            "per_rank_lone_allreduce_s": [r["lone_allreduce_s"] for r in results],
+            "per_rank_busy_exchange_s": [r["busy_exchange_s"] for r in results]}
+    return {**row, **measured(row, SKIP_FIRST)}
+
+
+def measured(row: dict, skip: int) -> dict:
+    """The iteration time of a row: the slowest rank's mean period over its iterations after the
+    first ``skip`` (iterations per second is what a plan is for; the periods of some
+    configurations alternate between a long and a short one, where a median picks either), and the
+    means of the two halves of those iterations (how much the figure moves within one run)."""
+    timed = [seconds[skip:] for seconds in row["seconds"]]
+    half = len(timed[0]) // 2
+    return {"measured_s": max(statistics.fmean(values) for values in timed),
+            "median_s": max(statistics.median(values) for values in timed),
+            "halves_s": [max(statistics.fmean(values[:half]) for values in timed),
+                         max(statistics.fmean(values[half:]) for values in timed)]}
 
 
 def lan_rate(source: Path = LOOPBACK_UNIX) -> str:
@@ -447,10 +457,11 @@ def plot(run, rows: list[dict], name: str):
 KEYS = ("fine", "coarse", "profile_only_fine", "profile_only_coarse", "iperf_fine", "iperf_coarse")
 
 
-def report(run, rows: list[dict], load: dict | list, name: str) -> None:
+def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP_FIRST) -> None:
     from bench.reporting import print_table
 
     for row in rows:
+        row.update(measured(row, skip))  # rows saved before 2026-11-26 14:10 held the median
         row.update(predict(row))
         row["fine_error_pct"], row["coarse_error_pct"] = 100 * row["fine_error"], 100 * row["coarse_error"]
         row["profile_only_fine_error_pct"] = 100 * row["profile_only_fine_error"]
@@ -480,7 +491,7 @@ def report(run, rows: list[dict], load: dict | list, name: str) -> None:
                            f"max {100 * summary[key + '_max_abs_error']:.1f} %"
                            for key in KEYS)
           + f"; load {load}")
-    print("wrote", run.save_json(name, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST}))
+    print("wrote", run.save_json(name, {"rows": rows, "summary": summary, "load": load, "skip_first": skip}))
     print("wrote", plot(run, rows, name))
 
 
@@ -630,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     saved_file = args.source or run.out / f"{args.name}.json"
     if args.predict_only:
         saved = json.loads(Path(saved_file).read_text())
-        report(run, saved["rows"], saved["load"], args.name)
+        report(run, saved["rows"], saved["load"], args.name, saved.get("skip_first", SKIP_FIRST))
         return 0
     from bench.wan_throughput import run_wanlink
     from bench.wanem.netns import WanPath
