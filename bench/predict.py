@@ -446,7 +446,7 @@ def plot(run, rows: list[dict], name: str):
     ax.plot([low, high], [low, high], color="grey", linewidth=1, label="predicted = measured")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("measured seconds per iteration (median, slowest rank)")
+    ax.set_xlabel("measured seconds per iteration (mean period, slowest rank)")
     ax.set_ylabel("predicted seconds per iteration")
     for r in rows:
         ax.annotate(r["name"], (r["measured_s"], r["fine_s"]), fontsize=6, xytext=(3, -3), textcoords="offset points")
