@@ -361,9 +361,10 @@ def lan_rate(source: Path = LOOPBACK_UNIX) -> str:
 
 def site_cores(row: dict) -> float | None:
     """Cores each namespace's ranks have: the two sites share the host's cores, less what the
-    emulator used during the configuration (rows measured since 2026-11-26 13:30; None before)."""
-    if "host_cores" not in row:
-        return None
+    emulator used during the configuration (None for rows whose profiles lack their CPU time,
+    measured since 2026-11-26 14:30)."""
+    if "host_cores" not in row or not all(doc.get("cpu_s") for doc in row["profiles"]):
+        return None  # without the profiles' CPU time their wall time (shared cores) would count twice
     return max(row["host_cores"] - row["emulator_cores"], 0.1) / 2
 
 

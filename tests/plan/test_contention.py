@@ -56,9 +56,10 @@ def test_profiler_runs_the_background_beside_every_step():
         return lambda: calls.append("finish")
 
     model = torch.nn.Linear(8, 2)
-    profile_model(model, (torch.randn(4, 8), torch.randint(0, 2, (4,))), warmup=1, iterations=3,
-                  background=background)
+    profile = profile_model(model, (torch.randn(4, 8), torch.randint(0, 2, (4,))), warmup=1, iterations=3,
+                            background=background)
     assert calls == ["start", "finish"] * 4
+    assert profile.cpu_s > 0
 
 
 def test_a_sites_cores_bound_the_period():
@@ -72,6 +73,9 @@ def test_a_sites_cores_bound_the_period():
     for choice in (Choice(density=0.01), Choice(density=0.01, staleness=1)):
         for model in (simulate, coarse):
             assert model(cluster, busy, choice).iteration_s == pytest.approx(0.08)
+    # the training thread's CPU time, where the profile has it, stands for the compute's wall time
+    measured_cpu = Profile(**{**busy.__dict__, "cpu_s": 0.019})
+    assert simulate(cluster, measured_cpu, Choice(density=0.01, staleness=1)).iteration_s == pytest.approx(0.06)
     unlimited = cluster_from_dict({**doc, "site": [{"name": "a", "ranks": 2}, {"name": "b", "ranks": 2}]})
     assert simulate(unlimited, busy, Choice(density=0.01)).iteration_s < 0.05
     with pytest.raises(ConfigError, match=r"site\[1\].cores must be a finite number > 0"):

@@ -88,7 +88,7 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
     for param_name, param in params:
         handles.append(param.register_post_accumulate_grad_hook(
             lambda _p, key=param_name: ready.__setitem__(key, time.perf_counter())))
-    totals = {"forward_s": [], "backward_s": [], "step_s": []}
+    totals = {"forward_s": [], "backward_s": [], "step_s": [], "cpu_s": []}
     ready_offsets: dict[str, list[float]] = {n: [] for n, _p in params}
     try:
         for iteration in range(warmup + iterations):
@@ -99,6 +99,7 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
             ready.clear()
             optimizer.zero_grad(set_to_none=False)
             finish_background = background() if background is not None else None
+            cpu = time.thread_time()
             begin = time.perf_counter()
             loss = loss_fn(model(_inputs(batch)), batch)
             forward_end = time.perf_counter()
@@ -106,12 +107,14 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
             backward_end = time.perf_counter()
             optimizer.step()
             end = time.perf_counter()
+            cpu = time.thread_time() - cpu
             if finish_background is not None:
                 finish_background()
             if timed:
                 totals["forward_s"].append(forward_end - begin)
                 totals["backward_s"].append(backward_end - forward_end)
                 totals["step_s"].append(end - backward_end)
+                totals["cpu_s"].append(cpu)
                 for key, moment in ready.items():
                     ready_offsets[key].append(moment - forward_end)
     finally:
@@ -130,6 +133,7 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
     return Profile(model=name or type(model).__name__, batch_size=_batch_size(batch),
                    forward_s=statistics.median(totals["forward_s"]),
                    backward_s=statistics.median(totals["backward_s"]), step_s=statistics.median(totals["step_s"]),
+                   cpu_s=statistics.median(totals["cpu_s"]),
                    buckets=tuple(buckets), layers=tuple(layers), density=density, threads=torch.get_num_threads(),
                    iterations=iterations, meta={"torch": torch.__version__, "warmup": warmup,
                                                 "bucket_cap_mb": bucket_cap_mb})
