@@ -127,9 +127,8 @@ def sparsify_seconds(profile: Profile, choice: Choice) -> list[float]:
 def cpu_bound_s(cluster: Cluster, profile: Profile, choice: Choice) -> float:
     """The shortest iteration the sites' cores allow (0 where no site gives ``cores``): a site's
     ranks spend, per step, their compute's CPU time (``Profile.cpu_s``, else its wall time
-    ``compute_s``; the sparse hook's time on top) and the
-    CPU their transport threads spend on the step's exchanges (``Profile.transport_cpu_s``), all of
-    it on the site's cores."""
+    ``compute_s``; the sparse hook's time on top) and the CPU their transport threads spend on the
+    step's exchanges (``Profile.transport_cpu_s``), all of it on the site's cores."""
     demand = [0.0] * len(cluster.sites)
     hook = sum(b.sparsify_s for b in profile.buckets) if choice.density is not None else 0.0
     for site, rank in zip(cluster.site_of_rank(), rank_profiles(cluster, profile, choice, contended=False)):
