@@ -2,17 +2,20 @@
 
 Each configuration trains a small MLP with DDP over the wanlink backend between two network
 namespaces of a ``bench.wanem`` path (2 ranks: one per namespace; 4 ranks: two per namespace,
-which reach each other over Unix sockets, so the namespaces are two sites). Every rank first
-profiles its own training step with ``wanlink.plan.profiler.profile_model`` while the other ranks do
-the same (the same CPU sharing as in training), then trains and times its iterations. The
-prediction for a configuration uses the slowest rank's profile and a cluster description built
-from the path's settings (RTT, rate, the emulator's 1536 KiB window per flow, 1448/1500 goodput,
-the stream count), and compares the median measured iteration with the coarse and fine models.
-Before profiling, a configuration's ranks run the calibration: two 16 MiB all-reduces warm the
-link, then lone all-reduces of 64 KiB, 1 MiB and 4 MiB take turns; the headline predictions use the
-path's efficiency and per-step send overhead fitted to those (``calibrate_link``), never to the
-training iterations. Two more columns: the nominal link, and the goodput wanlink-iperf measured
-(8 streams, 4 s, before the path's configurations), as a probe would give it.
+which reach each other over Unix sockets, so the namespaces are two sites). Before training, a
+configuration's ranks measure every input the models read, all at once so that they share the CPU
+as in training: the calibration (two 16 MiB all-reduces warm the link, then lone all-reduces of
+64 KiB, 1 MiB and 4 MiB take turns), the profile of the step alone (``profile_model``, 20 steps),
+and the profile beside the training's exchanges (each step launches one collective per bucket,
+as DDP and the sparse hook do, and waits for them at its end): that gives ``comm_slowdown``, the
+time the exchanges took beside compute (which joins the calibration), and the CPU the rank's
+transport threads spent per step. Then they train; the median of the slowest rank's iterations
+(the first 5 discarded) is compared with the coarse and fine models, given the path's settings
+(RTT, rate, the emulator's 1536 KiB window per flow, the stream count), the path's efficiency and
+per-step send overhead fitted to the calibration (``calibrate_link``, never to the training
+iterations), and per namespace half the host's cores less the emulator's measured share. Two more
+columns: the nominal link, and the goodput wanlink-iperf measured (8 streams, 4 s, before the
+path's configurations), as a probe would give it.
 
     sudo python3 dev.py bench bench/predict.py [--only NAME...] [--out DIR | --publish]
     python3 dev.py bench bench/predict.py --predict-only --out bench/results
@@ -45,8 +48,10 @@ sys.path.insert(0, str(ROOT))
 
 DEPTH_IN, WIDTH, CLASSES, BATCH = 1024, 1024, 256, 64
 BUCKET_CAP_MB = 4
-SKIP_FIRST = 3  # excluded from the median: DDP bucket rebuild, TCP ramp-up, the first stale step
-LAN_RATE = "20 Gbit/s"  # wanlink over Unix sockets, bench/results/loopback_unix.json (median, 1 stream)
+SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
+PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
+BUSY_WARMUP = 2  # the profile beside the training's exchanges (each step waits for them): 6 to 16 steps
+LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
 LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 
@@ -56,7 +61,21 @@ def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8
     order = order or ("fcfs" if density is None else "edf")  # dense DDP all-reduces carry no deadline
     return {"name": name, "ranks": ranks, "rtt_ms": rtt_ms, "rate_mbit": rate_mbit, "density": density,
             "staleness": staleness, "streams": streams, "order": order, "bucket_cap_mb": bucket_cap_mb,
-            "iterations": iterations or (12 if density is None and rate_mbit <= 100 else 30)}
+            "iterations": iterations or _iterations(density, rate_mbit)}
+
+
+def _busy_iterations(config: dict) -> int:
+    """Steps of the busy profile: each lasts as long as its exchanges (up to 1.2 s dense at 100 Mbit/s)."""
+    if config["density"] is not None:
+        return 16
+    return 6 if config["rate_mbit"] <= 500 else 12
+
+
+def _iterations(density, rate_mbit) -> int:
+    """Training iterations of a configuration: about 10 s of timed steps (at the rates measured before)."""
+    if density is not None:
+        return 60
+    return 16 if rate_mbit <= 100 else 30 if rate_mbit <= 500 else 50
 
 
 CONFIGS = [
@@ -93,7 +112,8 @@ def make_batch(rank: int, size: int = BATCH):
 
 
 def worker(args) -> None:
-    """One rank: profile, then train; writes its profile and iteration times as JSON."""
+    """One rank: calibrate, profile (alone, then beside the training's exchanges), then train;
+    writes its profiles and iteration times as JSON."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -112,8 +132,14 @@ def worker(args) -> None:
     model = make_model()
     batch = make_batch(args.rank)
     probe_s = lone_allreduce_seconds(dist, torch)
-    profile = profile_model(make_model(), batch, warmup=3, iterations=8, bucket_cap_mb=config["bucket_cap_mb"],
-                            density=config["density"], name="bench.predict MLP")
+    options = {"bucket_cap_mb": config["bucket_cap_mb"], "density": config["density"], "name": "bench.predict MLP"}
+    profile = profile_model(make_model(), batch, warmup=PROFILE_WARMUP, iterations=PROFILE_ITERATIONS, **options)
+    exchanges = training_exchanges(dist, torch, profile, config)
+    cpu, main_thread = time.process_time(), time.thread_time()
+    busy = profile_model(make_model(), batch, warmup=BUSY_WARMUP, iterations=_busy_iterations(config),
+                         background=exchanges, **options)
+    # the CPU the rank's other threads (wanlink's event loop, its completion thread) spent per step's exchanges
+    transport_cpu_s = ((time.process_time() - cpu) - (time.thread_time() - main_thread)) / len(exchanges.seconds)
     ddp = DDP(model, bucket_cap_mb=config["bucket_cap_mb"], gradient_as_bucket_view=True)
     state = None
     if config["density"] is not None:
@@ -126,6 +152,7 @@ def worker(args) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.0 if state is not None else 0.9)
     dist.barrier()
     seconds, forward, backward = [], [], []
+    cpu_begin = time.process_time()
     for _ in range(config["iterations"]):
         begin = time.perf_counter()
         optimizer.zero_grad()
@@ -135,13 +162,59 @@ def worker(args) -> None:
         backward.append(time.perf_counter() - begin - forward[-1])
         optimizer.step()
         seconds.append(time.perf_counter() - begin)
+    cpu_s = time.process_time() - cpu_begin
     if state is not None and state.flush():
         optimizer.step()
     dist.barrier()
-    Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(), "seconds": seconds,
-                                             "forward": forward, "backward": backward,
-                                             "lone_allreduce_s": probe_s}))
+    Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(),
+                                             "busy_profile": busy.to_json(), "transport_cpu_s": transport_cpu_s,
+                                             "seconds": seconds,
+                                             "forward": forward, "backward": backward, "cpu_s": cpu_s,
+                                             "lone_allreduce_s": probe_s,
+                                             "busy_exchange_s": statistics.median(exchanges.seconds[BUSY_WARMUP:])}))
     dist.destroy_process_group()
+
+
+def training_exchanges(dist, torch, profile, config: dict):
+    """``profile_model``'s ``background``: the exchanges one training step makes (one collective per
+    bucket, launched asynchronously: an all-reduce of the bucket dense, an all-gather of its sparse
+    message), so the busy profile times compute beside the transport's CPU as training runs it.
+    ``start.seconds`` collects, per step, how long its exchanges took (launch to the last one's end)
+    while the ranks computed: the link's calibration under training's conditions."""
+    from wanlink.c10d.sparse_hook import _all_gather_single
+    from wanlink.plan.choice import Choice, bucket_message_bytes
+
+    sizes = bucket_message_bytes(profile, Choice(density=config["density"]))
+    world = config["ranks"]
+    if config["density"] is None:
+        tensors = [torch.ones(size // 4) for size in sizes]
+
+        def launch():
+            return [dist.all_reduce(tensor, async_op=True) for tensor in tensors]
+    else:
+        pairs = [(torch.empty(world * size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)) for size in sizes]
+
+        def launch():
+            return [_all_gather_single(gathered, message, async_op=True) for gathered, message in pairs]
+
+    def start():
+        begin = time.perf_counter()
+        ends = []
+        works = launch()
+        for work in works:
+            work.get_future().then(lambda _f: ends.append(time.perf_counter()))
+
+        def finish():
+            for work in works:
+                work.wait()
+            while len(ends) < len(works):  # the futures' callbacks run on wanlink's completion thread
+                time.sleep(0.0005)
+            start.seconds.append(max(ends) - begin)
+
+        return finish
+
+    start.seconds = []
+    return start
 
 
 PROBE_SIZES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # a direct exchange (as a sparse bucket's), two rings
@@ -179,27 +252,33 @@ def _lone_probes(row: dict) -> dict[int, float]:
 EFFICIENCIES = [e / 100 for e in range(20, 101)]  # of the nominal rate; a cluster allows (0, 1]
 
 
-def calibrate_link(row: dict, choice) -> tuple[float, float]:
-    """(efficiency, send overhead in ms) of the path, fitted to the lone all-reduces the row's ranks
-    timed before training (never to the training iterations): for each efficiency on a grid, the
-    overhead (>= 0) that best fits (the model's time is linear in it), and the pair with the least
-    squared relative error over the probe sizes."""
+def calibrate_link(row: dict, choice, profile=None) -> tuple[float, float]:
+    """(efficiency, send overhead in ms) of the path, fitted to the exchanges the row's ranks timed
+    before training (never to the training iterations): the lone all-reduces, and (rows measured
+    since 2026-11-26 13:30, given ``profile``) the training's own exchanges launched beside the busy
+    profile's compute, as training's conditions (the ranks' CPU busy) make them. For each efficiency
+    on a grid, the overhead (>= 0) that best fits (the model's time is linear in it), and the pair
+    with the least squared relative error over the probes."""
     from dataclasses import replace
 
     from wanlink.plan import Bucket, Profile, simulate
 
-    probes = _lone_probes(row)
     dense = replace(choice, density=None, staleness=0, order="fcfs")
+    probes = [(Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(size, 0.0, (size // 4,)),)), dense, seconds)
+              for size, seconds in _lone_probes(row).items()]
+    if profile is not None and "busy_exchange_s" in row:  # every bucket's exchange at once, no compute
+        exchanges = replace(profile, forward_s=0.0, backward_s=0.0, step_s=0.0, comm_slowdown=1.0,
+                            buckets=tuple(replace(b, ready_s=0.0, sparsify_s=0.0) for b in profile.buckets))
+        probes.append((exchanges, replace(choice, staleness=0), row["busy_exchange_s"]))
+    measured = [seconds for _p, _c, seconds in probes]
     best = None
     for efficiency in EFFICIENCIES:
         base, slope = [], []
-        for size in probes:
-            lone = Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(size, 0.0, (size // 4,)),))
-            at = [simulate(_cluster(row, row["rate_mbit"], efficiency, ms), lone, dense, iterations=2).iteration_s
-                  for ms in (0.0, 1.0)]
+        for probe, probe_choice, _seconds in probes:
+            at = [simulate(_cluster(row, row["rate_mbit"], efficiency, ms), probe, probe_choice,
+                           iterations=2).iteration_s for ms in (0.0, 1.0)]
             base.append(at[0])
             slope.append(at[1] - at[0])
-        measured = list(probes.values())
         # minimise sum(((base + slope x) - m) / m)^2 over x >= 0
         num = sum(s * (m - b) / m ** 2 for b, s, m in zip(base, slope, measured))
         den = sum(s * s / m ** 2 for s, m in zip(slope, measured))
@@ -224,6 +303,7 @@ def measure(path, config: dict, port: int) -> dict:
     """Run one configuration's ranks (half in each namespace) and collect their outputs."""
     ranks = config["ranks"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
+    emulator_cpu, started = path.cpu_seconds(), time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         procs, outs = [], []
         for rank in range(ranks):
@@ -238,23 +318,69 @@ def measure(path, config: dict, port: int) -> dict:
         if any(codes):
             raise RuntimeError(f"{config['name']}: ranks exited with {codes}")
         results = [json.loads(Path(out).read_text()) for out in outs]
-    per_rank = [statistics.median(r["seconds"][SKIP_FIRST:]) for r in results]
-    return {**config, "collective": wanlink_collective(ranks), "measured_s": max(per_rank),
-            "per_rank_median_s": per_rank,
-            "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
+    emulator_cores = (path.cpu_seconds() - emulator_cpu) / (time.monotonic() - started)
+    row = {**config, "collective": wanlink_collective(ranks),
+           "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
+            "busy_profiles": [r["busy_profile"] for r in results],
+            "transport_cpu_s": [r["transport_cpu_s"] for r in results],
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
             "train_backward_s": [statistics.median(r["backward"][SKIP_FIRST:]) for r in results],
-            "lone_allreduce_s": results[0]["lone_allreduce_s"]}
+            "rank_cpu_s_per_iteration": [r["cpu_s"] / len(r["seconds"]) for r in results],
+            "emulator_cores": emulator_cores, "host_cores": os.cpu_count(),
+            # the slowest rank's view (as measured_s): the rank that leaves the barrier first waits longest
+            "lone_allreduce_s": {size: max(r["lone_allreduce_s"][size] for r in results)
+                                 for size in results[0]["lone_allreduce_s"]},
+            "busy_exchange_s": max(r["busy_exchange_s"] for r in results),
+            "per_rank_lone_allreduce_s": [r["lone_allreduce_s"] for r in results],
+            "per_rank_busy_exchange_s": [r["busy_exchange_s"] for r in results]}
+    return {**row, **measured(row, SKIP_FIRST)}
+
+
+def measured(row: dict, skip: int) -> dict:
+    """The iteration time of a row: the slowest rank's mean period over its iterations after the
+    first ``skip`` (iterations per second is what a plan is for; the periods of some
+    configurations alternate between a long and a short one, where a median picks either), and the
+    means of the two halves of those iterations (how much the figure moves within one run)."""
+    timed = [seconds[skip:] for seconds in row["seconds"]]
+    half = len(timed[0]) // 2
+    return {"measured_s": max(statistics.fmean(values) for values in timed),
+            "median_s": max(statistics.median(values) for values in timed),
+            "halves_s": [max(statistics.fmean(values[:half]) for values in timed),
+                         max(statistics.fmean(values[half:]) for values in timed)]}
+
+
+def lan_rate(source: Path = LOOPBACK_UNIX) -> str:
+    """Rate between ranks of one site: wanlink over Unix sockets, one stream, median of the
+    published loopback bench (bench/loopback_throughput.py --paths unix)."""
+    rows = json.loads(source.read_text())["rows"]
+    for row in rows:
+        if (row["mode"], row["path"], row["streams"]) == ("wanlink", "unix", 1):
+            return f"{row['median_gbps']:.3f} Gbit/s"
+    raise ValueError(f"{source}: no wanlink row over Unix sockets with 1 stream")
+
+
+def site_cores(row: dict) -> float | None:
+    """Cores each namespace's ranks have: the two sites share the host's cores, less what the
+    emulator used during the configuration (None for rows whose profiles lack their CPU time,
+    measured since 2026-11-26 14:30)."""
+    if "host_cores" not in row or not all(doc.get("cpu_s") for doc in row["profiles"]):
+        return None  # without the profiles' CPU time their wall time (shared cores) would count twice
+    return max(row["host_cores"] - row["emulator_cores"], 0.1) / 2
 
 
 def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
     from wanlink.plan import cluster_from_dict
 
     half = row["ranks"] // 2
+    sites = [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}]
+    cores = site_cores(row)
+    if cores:
+        for site in sites:
+            site["cores"] = cores
     return cluster_from_dict({
-        "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": LAN_RATE, "efficiency": efficiency,
+        "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": lan_rate(), "efficiency": efficiency,
                      "send_overhead": f"{overhead_ms} ms"},
-        "site": [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}],
+        "site": sites,
         "path": [{"sites": ["a", "b"], "rtt": f"{row['rtt_ms']} ms", "rate": f"{rate_mbit} Mbit/s"}]})
 
 
@@ -265,25 +391,37 @@ def predict(row: dict) -> dict:
     1448/1500, the emulator's 1536 KiB window, no overhead). The headline ("calibrated") uses the
     same profile and the path as the calibration runs measured it: the efficiency and per-step send
     overhead that make the model's lone all-reduces of PROBE_SIZES last as long as the row's ranks
-    measured them just before profiling (``calibrate_link``). Nothing is fitted to the training
-    iterations. ``running_compute_s`` (the profile scaled by the forward passes timed during
-    training) is reported to show how much compute slows under communication; no prediction uses it.
+    measured them just before profiling (``calibrate_link``). Every column's profile carries the
+    CPU contention its rank measured (``comm_slowdown``: the step profiled beside the training's
+    exchanges against the step alone) where the row has it; "uncontended" is the headline without
+    it. Nothing is fitted to the training iterations. ``running_compute_s`` (the profile scaled by
+    the forward passes timed during training) is reported to show how much compute slows under
+    communication; no prediction uses it.
     """
+    from dataclasses import replace
+
     from wanlink.plan import Choice, coarse, profile_from_json, simulate
 
     site = row.get("collective", "flat") == "site"  # rows measured before site-aware collectives ran flat rings
     choice = Choice(density=row["density"], staleness=row["staleness"], order=row["order"],
                     collective="site" if site else "flat", cells=row["ranks"] // 2 if site else 1)
     profiles = [profile_from_json(doc) for doc in row["profiles"]]
-    profile = max(profiles, key=lambda p: p.compute_s)
+    if "busy_profiles" in row:  # rows measured before 2026-11-26 13:30 have no busy profile
+        profiles = [p.while_exchanging(profile_from_json(busy)) for p, busy in zip(profiles, row["busy_profiles"])]
+    if "transport_cpu_s" in row:
+        profiles = [replace(p, transport_cpu_s=cpu) for p, cpu in zip(profiles, row["transport_cpu_s"])]
+    profile = max(profiles, key=lambda p: p.compute_s * p.comm_slowdown)
     nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
     scaled = [p.scaled(speed=p.forward_s / measured) for p, measured in zip(profiles, row["train_forward_s"])]
-    efficiency, overhead_ms = calibrate_link(row, choice)
+    efficiency, overhead_ms = calibrate_link(row, choice, profile)
     row.update(efficiency=efficiency, send_overhead_ms=overhead_ms,
                iperf_efficiency=row["link_mbit"] / row["rate_mbit"])
     calibrated = _cluster(row, row["rate_mbit"], efficiency, overhead_ms)
     measured = row["measured_s"]
-    out = {"profile_compute_s": profile.compute_s, "running_compute_s": max(p.compute_s for p in scaled)}
+    out = {"profile_compute_s": profile.compute_s, "running_compute_s": max(p.compute_s for p in scaled),
+           "comm_slowdown": profile.comm_slowdown,
+           "uncontended_fine_s": simulate(calibrated, replace(profile, comm_slowdown=1.0, transport_cpu_s=0.0),
+                                                 choice).iteration_s}
     probed = _cluster(row, row["link_mbit"], 1.0)  # the link as a probe reports it: wanlink-iperf's goodput
     for label, cluster in (("", calibrated), ("profile_only_", nominal), ("iperf_", probed)):
         fine, rough = simulate(cluster, profile, choice), coarse(cluster, profile, choice)
@@ -309,7 +447,7 @@ def plot(run, rows: list[dict], name: str):
     ax.plot([low, high], [low, high], color="grey", linewidth=1, label="predicted = measured")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("measured seconds per iteration (median, slowest rank)")
+    ax.set_xlabel("measured seconds per iteration (mean period, slowest rank)")
     ax.set_ylabel("predicted seconds per iteration")
     for r in rows:
         ax.annotate(r["name"], (r["measured_s"], r["fine_s"]), fontsize=6, xytext=(3, -3), textcoords="offset points")
@@ -320,19 +458,27 @@ def plot(run, rows: list[dict], name: str):
 KEYS = ("fine", "coarse", "profile_only_fine", "profile_only_coarse", "iperf_fine", "iperf_coarse")
 
 
-def report(run, rows: list[dict], load: dict | list, name: str) -> None:
+def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP_FIRST) -> None:
     from bench.reporting import print_table
 
     for row in rows:
+        row.update(measured(row, skip))  # rows saved before 2026-11-26 14:10 held the median
         row.update(predict(row))
         row["fine_error_pct"], row["coarse_error_pct"] = 100 * row["fine_error"], 100 * row["coarse_error"]
         row["profile_only_fine_error_pct"] = 100 * row["profile_only_fine_error"]
         row["iperf_fine_error_pct"] = 100 * row["iperf_fine_error"]
+        row["uncontended_fine_error_pct"] = 100 * (row["uncontended_fine_s"] / row["measured_s"] - 1)
+        if "halves_s" in row:
+            row["halves_spread_pct"] = 100 * abs(row["halves_s"][0] - row["halves_s"][1]) / row["measured_s"]
     print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
                        ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
-                       ("running_compute_s", "running compute s", ".3f"), ("measured_s", "measured s", ".3f"),
+                       ("running_compute_s", "running compute s", ".3f"), ("comm_slowdown", "busy/alone", ".2f"),
+                       ("emulator_cores", "emulator cores", ".2f"), ("measured_s", "measured s", ".3f"),
+                       ("halves_spread_pct", "halves %", ".1f"),
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
                        ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
+                       ("uncontended_fine_s", "fine, uncontended s", ".3f"),
+                       ("uncontended_fine_error_pct", "err %", "+.1f"),
                        ("profile_only_fine_s", "fine, profile only s", ".3f"),
                        ("profile_only_fine_error_pct", "err %", "+.1f"),
                        ("iperf_fine_s", "fine, iperf link s", ".3f"), ("iperf_fine_error_pct", "err %", "+.1f"),
@@ -346,7 +492,7 @@ def report(run, rows: list[dict], load: dict | list, name: str) -> None:
                            f"max {100 * summary[key + '_max_abs_error']:.1f} %"
                            for key in KEYS)
           + f"; load {load}")
-    print("wrote", run.save_json(name, {"rows": rows, "summary": summary, "load": load, "skip_first": SKIP_FIRST}))
+    print("wrote", run.save_json(name, {"rows": rows, "summary": summary, "load": load, "skip_first": skip}))
     print("wrote", plot(run, rows, name))
 
 
@@ -496,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     saved_file = args.source or run.out / f"{args.name}.json"
     if args.predict_only:
         saved = json.loads(Path(saved_file).read_text())
-        report(run, saved["rows"], saved["load"], args.name)
+        report(run, saved["rows"], saved["load"], args.name, saved.get("skip_first", SKIP_FIRST))
         return 0
     from bench.wan_throughput import run_wanlink
     from bench.wanem.netns import WanPath

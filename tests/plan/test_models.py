@@ -67,9 +67,15 @@ def test_staleness_one_hides_communication_up_to_compute():
     cluster = two_sites()
     comm_bound = profile()
     # the link never idles: the period is the exchange's sending time (0.4 s), its delays overlap the
-    # next exchange; the coarse model adds them (0.46 s)
+    # next exchange
     assert simulate(cluster, comm_bound, Choice(staleness=1), iterations=8).iteration_s == pytest.approx(0.4)
-    assert coarse(cluster, comm_bound, Choice(staleness=1)).iteration_s == pytest.approx(0.46)
+    assert coarse(cluster, comm_bound, Choice(staleness=1)).iteration_s == pytest.approx(0.4)
+    # a small exchange on a long path: two steps per chain of forward, backward to the bucket, its
+    # 4 ms of sending, the exchange's two one-way delays (hop, acknowledgement) and the step
+    latency_bound = profile(buckets=((40_000, 0.02),), forward=0.01, backward=0.02, step=0.005)
+    chain = 0.01 + 0.02 + 0.004 + 0.04 + 0.005
+    assert simulate(cluster, latency_bound, Choice(staleness=1), iterations=8).iteration_s == pytest.approx(chain / 2)
+    assert coarse(cluster, latency_bound, Choice(staleness=1)).iteration_s == pytest.approx(chain / 2)
     compute_bound = profile(buckets=((40_000, 0.02),), forward=0.3, backward=0.2, step=0.1)
     assert simulate(cluster, compute_bound, Choice(staleness=1), iterations=6).iteration_s == pytest.approx(0.6)
     assert coarse(cluster, compute_bound, Choice(staleness=1)).iteration_s == pytest.approx(0.6)
@@ -193,3 +199,12 @@ def test_one_rank_has_no_communication():
     prof = profile()
     assert simulate(cluster, prof).iteration_s == pytest.approx(prof.compute_s)
     assert flat_collective(Network.of(cluster), 1000, False, "b") == []
+
+
+def test_concurrent_buckets_share_the_links_windows():
+    # one stream, 1 MB window, 100 ms RTT, two 4 MB buckets at once (FCFS): the first's first window
+    # leaves at line rate, its other 3 MB at the stream's 10 MB/s; the second finds the link's
+    # window in use (no burst) and sends its 4 MB at 10 MB/s after it; then 3 one-way delays
+    cluster = two_sites(rtt="100 ms", rate="800 Mbit/s", window="1 MB", streams=1)
+    prof = profile(buckets=((4_000_000, 0.0), (4_000_000, 0.0)), forward=0.0, backward=0.0, step=0.0)
+    assert simulate(cluster, prof).iteration_s == pytest.approx(1 / 100 + 3 / 10 + 4 / 10 + 0.15)

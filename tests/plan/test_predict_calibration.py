@@ -1,5 +1,7 @@
 """bench/predict.py's link calibration: the fit recovers the efficiency and send overhead that
 produced a set of lone all-reduce times (the model's own), and reads rows of either format."""
+import pytest
+
 from bench.predict import PROBE_SIZES, _cluster, _lone_probes, calibrate_link
 from wanlink.plan import Bucket, Choice, Profile, simulate
 
@@ -27,3 +29,21 @@ def test_overhead_never_negative_and_old_rows_read():
     efficiency, overhead_ms = calibrate_link({**ROW, "lone_allreduce_s": fast}, Choice())
     assert overhead_ms == 0.0 and efficiency == 1.0
     assert _lone_probes({"probe_allreduce_s": 0.2}) == {4 * 1024 * 1024: 0.2}
+
+
+def test_fit_reads_the_exchanges_timed_beside_compute():
+    # the training's own exchanges (two buckets at once) timed beside the busy profile: with lone
+    # times from one link and those from a link with more overhead, the fitted link's lies in between
+    from dataclasses import replace
+
+    prof = Profile("p", 8, 0.01, 0.02, 0.003, (Bucket(1 << 20, 0.005, (1 << 18,)), Bucket(4 << 20, 0.02, (1 << 20,))))
+    exchanges = replace(prof, forward_s=0.0, backward_s=0.0, step_s=0.0,
+                        buckets=tuple(replace(b, ready_s=0.0) for b in prof.buckets))
+    busy = simulate(_cluster(ROW, 500, 0.6, 7.0), exchanges, Choice(), iterations=2).iteration_s
+    row = {**ROW, "lone_allreduce_s": _lone_times(0.6, 7.0), "busy_exchange_s": busy}
+    assert calibrate_link(row, Choice(), prof) == (0.6, pytest.approx(7.0, abs=0.05))
+    slower = {**row, "busy_exchange_s": simulate(_cluster(ROW, 500, 0.6, 30.0), exchanges, Choice(),
+                                                  iterations=2).iteration_s}
+    fitted = _cluster(ROW, 500, *calibrate_link(slower, Choice(), prof))
+    assert busy < simulate(fitted, exchanges, Choice(), iterations=2).iteration_s < slower["busy_exchange_s"]
+    assert calibrate_link(slower, Choice())[1] == pytest.approx(7.0, abs=0.05)  # without the profile: lone only

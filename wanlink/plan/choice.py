@@ -56,9 +56,12 @@ class Choice:
         return " ".join(parts)
 
 
-def rank_profiles(cluster: Cluster, profile: Profile, choice: Choice) -> list[Profile]:
-    """Each rank's profile: scaled by its speed and local batch."""
+def rank_profiles(cluster: Cluster, profile: Profile, choice: Choice, contended: bool = True) -> list[Profile]:
+    """Each rank's profile: scaled by its speed and local batch, its compute that overlaps
+    exchanges slowed by the profile's ``comm_slowdown`` (``while_exchanging``) unless not ``contended``."""
     site_of = cluster.site_of_rank()
+    if contended:
+        profile = while_exchanging(profile, choice)
     speeds = choice.rank_speeds or tuple(cluster.sites[s].speed for s in site_of)
     batches = choice.batches or (profile.batch_size,) * len(site_of)
     cache: dict = {}
@@ -69,6 +72,20 @@ def rank_profiles(cluster: Cluster, profile: Profile, choice: Choice) -> list[Pr
             cache[key] = profile.scaled(speed, max(batch, 0)) if batch else _idle(profile, speed)
         out.append(cache[key])
     return out
+
+
+def while_exchanging(profile: Profile, choice: Choice) -> Profile:
+    """The compute that runs while exchanges are in flight, at ``comm_slowdown`` (measured CPU
+    contention): the backward always (earlier buckets' collectives run beside it), the forward too
+    with staleness 1 (the previous step's exchange runs beside it); the step never (it waits for them).
+    The sparse hook's time is scaled with the backward (``sparsify_seconds``)."""
+    factor = profile.comm_slowdown
+    if factor == 1.0:
+        return profile
+    return replace(profile, forward_s=profile.forward_s * (factor if choice.staleness else 1.0),
+                   backward_s=profile.backward_s * factor,
+                   buckets=tuple(replace(b, ready_s=b.ready_s * factor, sparsify_s=b.sparsify_s * factor)
+                                 for b in profile.buckets), comm_slowdown=1.0)
 
 
 def _idle(profile: Profile, speed: float) -> Profile:
@@ -100,7 +117,20 @@ def bucket_phases(cluster: Cluster, profile: Profile, choice: Choice) -> tuple[N
 
 def sparsify_seconds(profile: Profile, choice: Choice) -> list[float]:
     """Per bucket, the sparse hook's CPU time on the backward path (0 for dense), as profiled: the
-    scoring scan over every element dominates it, and that does not depend on the density."""
+    scoring scan over every element dominates it, and that does not depend on the density. It runs
+    beside earlier buckets' exchanges, so at the profile's ``comm_slowdown``."""
     if choice.density is None:
         return [0.0] * len(profile.buckets)
-    return [b.sparsify_s for b in profile.buckets]
+    return [b.sparsify_s * profile.comm_slowdown for b in profile.buckets]
+
+
+def cpu_bound_s(cluster: Cluster, profile: Profile, choice: Choice) -> float:
+    """The shortest iteration the sites' cores allow (0 where no site gives ``cores``): a site's
+    ranks spend, per step, their compute's CPU time (``Profile.cpu_s``, else its wall time
+    ``compute_s``; the sparse hook's time on top) and the CPU their transport threads spend on the
+    step's exchanges (``Profile.transport_cpu_s``), all of it on the site's cores."""
+    demand = [0.0] * len(cluster.sites)
+    hook = sum(b.sparsify_s for b in profile.buckets) if choice.density is not None else 0.0
+    for site, rank in zip(cluster.site_of_rank(), rank_profiles(cluster, profile, choice, contended=False)):
+        demand[site] += (rank.cpu_s or rank.compute_s) + hook + profile.transport_cpu_s
+    return max((need / site.cores for need, site in zip(demand, cluster.sites) if site.cores), default=0.0)

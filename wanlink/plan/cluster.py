@@ -15,6 +15,7 @@ A description is TOML (or the same shape as a dict)::
     ranks = 2
     speed = 1.0             # compute speed relative to the profile (2.0 = twice as fast)
     host_cap = "1 Gbit/s"   # optional: WAN rate one host may use, each way
+    cores = 16              # optional: CPU cores the site's ranks share (compute and transport)
 
     [[path]]
     sites = ["east", "west"]
@@ -48,6 +49,7 @@ class Site:
     speed: float = 1.0
     host_cap: float | None = None  # bytes/s each way per host, None = no cap beyond the path
     lan_rate: float = DEFAULT_LAN_RATE  # bytes/s per host towards ranks of the same site
+    cores: float | None = None  # CPU cores the site's ranks share (compute and transport), None = no limit
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ def _check_cluster(cluster: Cluster) -> None:
         _positive(site.lan_rate, f"{where}: site[{i}].lan_rate")
         if site.host_cap is not None:
             _positive(site.host_cap, f"{where}: site[{i}].host_cap")
+        if site.cores is not None:
+            _positive(site.cores, f"{where}: site[{i}].cores")
     for i, path in enumerate(cluster.paths):
         a, b = path.sites
         for end in (a, b):
@@ -210,14 +214,15 @@ def cluster_from_dict(doc: dict, source: str = "cluster") -> Cluster:
     sites = []
     for i, table in enumerate(site_tables):
         where = f"{source}: site[{i}]"
-        _known(table, {"name", "ranks", "speed", "host_cap", "lan_rate"}, where)
+        _known(table, {"name", "ranks", "speed", "host_cap", "lan_rate", "cores"}, where)
         name = _take(table, "name", where)
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}.name: expected a non-empty string, got {name!r}")
         sites.append(Site(name=name, ranks=_take(table, "ranks", where, _integer),
                           speed=_take(table, "speed", where, _number, 1.0),
                           host_cap=_take(table, "host_cap", where, parse_rate, None),
-                          lan_rate=_take(table, "lan_rate", where, parse_rate, lan_rate)))
+                          lan_rate=_take(table, "lan_rate", where, parse_rate, lan_rate),
+                          cores=_take(table, "cores", where, _number, None)))
     paths = []
     path_tables = doc.get("path", [])
     if not isinstance(path_tables, list):

@@ -9,7 +9,12 @@ collective (``L``: hops x one-way delay, plus the acknowledgement) follow::
 
     f_0 = r_0 + c_0,   f_b = max(r_b, f_{b-1}) + c_b
     T   = T_F + max(T_B + H, f_last + L) + T_S              (staleness 0)
-    T   = max(T_F + T_B + H + T_S, sum_b c_b + L)           (staleness 1)
+    T   = max(T_F + T_B + H + T_S, sum_b c_b, (T_F + f_last + L + T_S) / 2)   (staleness 1)
+
+With staleness 1 the step of iteration i+1 waits for iteration i's exchange, which starts during
+i's backward, so iteration i+2's exchange starts ``T_F + f_last + L + T_S`` after iteration i's:
+two iterations per exchange chain, two exchanges in flight (the fine model's rhythm); the link
+still carries one iteration's bytes per period.
 
 Parameter server (their eq. 10, hybrid of the PS and FCFS sharing models, maximal overlap)::
 
@@ -20,11 +25,12 @@ with ``B`` the rate one worker gets to the server alone. Compute times are the s
 from __future__ import annotations
 
 from wanlink.errors import ConfigError
-from wanlink.plan.choice import Choice, bucket_message_bytes, bucket_phases, rank_profiles, sparsify_seconds
+from wanlink.plan.choice import (Choice, bucket_message_bytes, bucket_phases, cpu_bound_s, rank_profiles,
+                                 sparsify_seconds)
 from wanlink.plan.cluster import Cluster
 from wanlink.plan.profile import Profile
 from wanlink.plan.simulate import Prediction
-from wanlink.plan.topology import Network
+from wanlink.plan.topology import WINDOW, Network
 
 ARCHITECTURES = ("ring", "ps")
 
@@ -38,7 +44,8 @@ def collective_seconds(net: Network, phases) -> float:
         load: dict = {}
         for t in phase:
             for resource, count in t.usage.items():
-                load[resource] = load.get(resource, 0.0) + count * t.edge_bytes
+                if resource[0] != WINDOW:  # one bucket's collective at a time: its own cap covers the link's
+                    load[resource] = load.get(resource, 0.0) + count * t.edge_bytes
         shared = max((nbytes / net.capacity[r] for r, nbytes in load.items() if nbytes), default=0.0)
         total += max(max(t.duration_alone(net.capacity) for t in phase),
                      shared + max(t.latency_s for t in phase))
@@ -87,10 +94,11 @@ def coarse(cluster: Cluster, profile: Profile, choice: Choice = Choice(), archit
             finish = max(bucket.ready_s + hook_so_far, finish) + send
         finish += latencies[-1] if latencies else 0.0
         comm = sum(sends) + (latencies[-1] if latencies else 0.0)
-        if choice.staleness:
-            iteration = max(forward + backward + hook + step, comm)
+        if choice.staleness:  # two steps' exchanges may be in flight: the link's bytes, or half the chain
+            iteration = max(forward + backward + hook + step, sum(sends), (forward + finish + step) / 2)
         else:
             iteration = forward + max(backward + hook, finish) + step
+    iteration = max(iteration, cpu_bound_s(cluster, profile, choice))
     breakdown = {"forward_s": forward, "backward_s": backward, "hook_s": hook, "step_s": step,
                  "wait_s": max(0.0, iteration - forward - backward - hook - step)}
     return Prediction("coarse", choice, iteration, breakdown, wan_bytes, comm)

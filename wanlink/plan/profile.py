@@ -46,6 +46,9 @@ class Profile:
     density: float | None = None  # the density sparsify_s was measured at
     threads: int = 1
     iterations: int = 0
+    comm_slowdown: float = 1.0  # compute time while the link carries exchanges / compute time alone (measured)
+    transport_cpu_s: float = 0.0  # CPU the rank's transport threads spend on one step's exchanges (measured)
+    cpu_s: float = 0.0  # CPU time of the training thread per step (0 = not measured: compute_s stands for it)
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -67,8 +70,18 @@ class Profile:
         buckets = tuple(replace(b, ready_s=b.ready_s * factor) for b in self.buckets)
         layers = tuple(replace(layer, forward_s=layer.forward_s * factor, backward_s=layer.backward_s * factor)
                        for layer in self.layers)
+        compute = (self.forward_s + self.backward_s) * factor + self.step_s / speed
+        cpu = self.cpu_s * compute / self.compute_s if self.compute_s > 0 else 0.0  # CPU time scales as compute
         return replace(self, batch_size=batch, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor,
-                       step_s=self.step_s / speed, buckets=buckets, layers=layers)
+                       step_s=self.step_s / speed, buckets=buckets, layers=layers, cpu_s=cpu)
+
+    def while_exchanging(self, busy: "Profile") -> "Profile":
+        """This profile with ``comm_slowdown`` measured: ``busy`` is the same step profiled while the
+        link carried the training's exchanges (``profile_model(background=...)``); the ratio of their
+        forward + backward times is what CPU contention (the transport's threads, whatever else
+        shares the cores with it) costs the compute that overlaps communication."""
+        alone = self.forward_s + self.backward_s
+        return replace(self, comm_slowdown=(busy.forward_s + busy.backward_s) / alone if alone > 0 else 1.0)
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -93,7 +106,9 @@ def profile_from_json(doc: dict, source: str = "profile") -> Profile:
         return Profile(model=doc["model"], batch_size=doc["batch_size"], forward_s=doc["forward_s"],
                        backward_s=doc["backward_s"], step_s=doc["step_s"], buckets=buckets, layers=layers,
                        density=doc.get("density"), threads=doc.get("threads", 1),
-                       iterations=doc.get("iterations", 0), meta=doc.get("meta", {}))
+                       iterations=doc.get("iterations", 0), comm_slowdown=doc.get("comm_slowdown", 1.0),
+                       transport_cpu_s=doc.get("transport_cpu_s", 0.0), cpu_s=doc.get("cpu_s", 0.0),
+                       meta=doc.get("meta", {}))
     except KeyError as missing:
         raise ConfigError(f"{source}: missing field {missing.args[0]!r}") from None
     except TypeError as error:
@@ -120,8 +135,12 @@ def _check(profile: Profile) -> None:
 
     if not isinstance(profile.batch_size, int) or profile.batch_size < 1:
         raise ConfigError(f"batch_size must be an integer >= 1, got {profile.batch_size!r}")
-    for name in ("forward_s", "backward_s", "step_s"):
+    for name in ("forward_s", "backward_s", "step_s", "transport_cpu_s", "cpu_s"):
         non_negative(getattr(profile, name), name)
+    if isinstance(profile.comm_slowdown, bool) or not isinstance(profile.comm_slowdown, (int, float)) or not (
+            math.isfinite(profile.comm_slowdown) and profile.comm_slowdown > 0):
+        raise ConfigError(f"comm_slowdown must be a finite number > 0 (compute time while exchanging / alone), "
+                          f"got {profile.comm_slowdown!r}")
     if not profile.buckets:
         raise ConfigError("buckets: a profile needs at least one gradient bucket")
     for i, bucket in enumerate(profile.buckets):

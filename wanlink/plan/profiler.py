@@ -58,8 +58,14 @@ def _batch_size(batch) -> int:
 
 def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3, iterations: int = 10,
                   bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, density: float | None = None,
-                  name: str | None = None) -> Profile:
-    """Time ``iterations`` training steps of ``model`` on ``batch`` (after ``warmup`` untimed ones)."""
+                  name: str | None = None, background=None) -> Profile:
+    """Time ``iterations`` training steps of ``model`` on ``batch`` (after ``warmup`` untimed ones).
+
+    ``background``: called as each step begins, it starts work that runs beside the step (e.g.
+    the training's exchanges, launched asynchronously) and returns a function that waits for that
+    work, called once the step's compute has been timed; the profile then shows what compute costs
+    while the link is busy (``Profile.while_exchanging``).
+    """
     import torch
 
     if warmup < 0 or iterations < 1:
@@ -82,7 +88,7 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
     for param_name, param in params:
         handles.append(param.register_post_accumulate_grad_hook(
             lambda _p, key=param_name: ready.__setitem__(key, time.perf_counter())))
-    totals = {"forward_s": [], "backward_s": [], "step_s": []}
+    totals = {"forward_s": [], "backward_s": [], "step_s": [], "cpu_s": []}
     ready_offsets: dict[str, list[float]] = {n: [] for n, _p in params}
     try:
         for iteration in range(warmup + iterations):
@@ -92,6 +98,8 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
                     values.clear()
             ready.clear()
             optimizer.zero_grad(set_to_none=False)
+            finish_background = background() if background is not None else None
+            cpu = time.thread_time()
             begin = time.perf_counter()
             loss = loss_fn(model(_inputs(batch)), batch)
             forward_end = time.perf_counter()
@@ -99,10 +107,14 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
             backward_end = time.perf_counter()
             optimizer.step()
             end = time.perf_counter()
+            cpu = time.thread_time() - cpu
+            if finish_background is not None:
+                finish_background()
             if timed:
                 totals["forward_s"].append(forward_end - begin)
                 totals["backward_s"].append(backward_end - forward_end)
                 totals["step_s"].append(end - backward_end)
+                totals["cpu_s"].append(cpu)
                 for key, moment in ready.items():
                     ready_offsets[key].append(moment - forward_end)
     finally:
@@ -121,6 +133,7 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
     return Profile(model=name or type(model).__name__, batch_size=_batch_size(batch),
                    forward_s=statistics.median(totals["forward_s"]),
                    backward_s=statistics.median(totals["backward_s"]), step_s=statistics.median(totals["step_s"]),
+                   cpu_s=statistics.median(totals["cpu_s"]),
                    buckets=tuple(buckets), layers=tuple(layers), density=density, threads=torch.get_num_threads(),
                    iterations=iterations, meta={"torch": torch.__version__, "warmup": warmup,
                                                 "bucket_cap_mb": bucket_cap_mb})

@@ -8,8 +8,10 @@ starts once every rank has it ready and runs as a chain of ``Transfer`` phases
 group (collectives over the same links) are served in priority order, FCFS (launch order) or EDF
 (deadline (iteration, -bucket): the first layers' bucket first), each taking what the ones before
 it leave; different groups share max-min fairly; no edge exceeds its ``streams x window / RTT``.
-A rank steps once its backward is done and the exchange of iteration ``i - staleness`` has ended.
-The reported iteration time is the mean period of the second half of the simulated iterations.
+Compute that overlaps communication runs at the profile's ``comm_slowdown`` (measured CPU
+contention). A rank steps once its backward is done and the exchange of iteration
+``i - staleness`` has ended. The reported iteration time is the mean period of the second half of
+the simulated iterations, at least what the sites' ``cores`` allow (``choice.cpu_bound_s``).
 """
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from wanlink.errors import ConfigError
-from wanlink.plan.choice import Choice, bucket_phases, rank_profiles, sparsify_seconds
+from wanlink.plan.choice import Choice, bucket_phases, cpu_bound_s, rank_profiles, sparsify_seconds
 from wanlink.plan.cluster import Cluster
 from wanlink.plan.profile import Profile
-from wanlink.plan.topology import Transfer
+from wanlink.plan.topology import WINDOW, Transfer
 
 TIMELINE_RANKS = 16  # ranks whose compute segments are kept for the timeline
 
@@ -47,19 +49,32 @@ class Prediction:
 
 
 class _Flow:
-    __slots__ = ("transfer", "key", "remaining", "rate", "done")
+    __slots__ = ("transfer", "key", "remaining", "rate", "done", "free")
 
     def __init__(self, transfer: Transfer, key: tuple, done):
         self.transfer, self.key, self.remaining, self.rate, self.done = transfer, key, transfer.edge_bytes, 0.0, done
+        self.free = transfer.free_bytes  # bytes that leave at line rate: its first windows, on an idle link
 
     @property
     def capped_at(self) -> float:
         """Remaining bytes below which the window cap binds (the first windows leave at line rate)."""
-        return self.transfer.edge_bytes - self.transfer.free_bytes
+        return self.transfer.edge_bytes - self.free
+
+    @property
+    def windowed(self) -> bool:
+        """Its first windows are out: the window caps (its own and its link's) bind."""
+        return self.remaining <= self.capped_at
 
     @property
     def cap(self) -> float:
-        return self.transfer.cap if self.remaining <= self.capped_at else math.inf
+        return self.transfer.cap if self.windowed else math.inf
+
+    @property
+    def usage(self) -> dict:
+        """Resources it loads now: the link's shared window only once its first windows are out."""
+        if self.windowed:
+            return self.transfer.usage
+        return {r: n for r, n in self.transfer.usage.items() if r[0] != WINDOW}
 
     def next_change(self, now: float) -> tuple[float, float]:
         """(when, remaining bytes then): this flow ends or its window cap starts to bind, at its current rate."""
@@ -84,7 +99,7 @@ def allocate(flows: list, capacity: dict) -> None:
             while position[group] < len(members):
                 head = members[position[group]]
                 if head.rate >= head.cap * (1 - 1e-9) or any(
-                        left[r] <= capacity[r] * 1e-9 for r, n in head.transfer.usage.items() if n):
+                        left[r] <= capacity[r] * 1e-9 for r, n in head.usage.items() if n):
                     position[group] += 1  # saturated: the next one in the group gets what is left
                     continue
                 heads.append(head)
@@ -93,7 +108,7 @@ def allocate(flows: list, capacity: dict) -> None:
             return
         load: Counter = Counter()
         for head in heads:
-            for resource, count in head.transfer.usage.items():
+            for resource, count in head.usage.items():
                 load[resource] += count
         step = max(0.0, min([h.cap - h.rate for h in heads] + [left[r] / n for r, n in load.items() if n]))
         if math.isinf(step):  # nothing limits these flows (no shared resource): a very large rate
@@ -205,6 +220,9 @@ class _Simulation:
         if flow.remaining <= 0:
             self.at(self.now + flow.transfer.latency_s, flow.done)
             return
+        links = {r for r in flow.transfer.usage if r[0] == WINDOW}
+        if any(links.intersection(other.transfer.usage) for other in self.flows):
+            flow.free = 0.0  # the link's windows are in use: no burst at line rate, it waits its turn in them
         self.flows.append(flow)
         allocate(self.flows, self.net.capacity)
 
@@ -254,5 +272,9 @@ def simulate(cluster: Cluster, profile: Profile, choice: Choice = Choice(), iter
     steady = sim.phase_totals[settled:]
     breakdown = {key: sum(t[key] for t in steady) / (len(steady) * sim.world)
                  for key in ("forward_s", "backward_s", "hook_s", "wait_s", "step_s")}
+    cpu = cpu_bound_s(cluster, profile, choice)
+    if cpu > period:  # the cores cannot keep up: every rank waits for its share of them
+        breakdown["wait_s"] += cpu - period
+        period = cpu
     comm = sum(sim.comm_spans) / len(sim.comm_spans) if sim.comm_spans else 0.0
     return Prediction("fine", choice, period, breakdown, sim.wan_bytes, comm, sim.segments)

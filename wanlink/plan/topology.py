@@ -6,7 +6,9 @@ ends with its slowest edge), and ``usage`` counts how many of its edges load eac
 resources are the WAN path of each ordered site pair (line rate x efficiency), each site's
 per-host WAN cap (counted on the busiest host) and each site's per-host LAN. ``cap`` is the most
 one edge can carry: ``streams x window / RTT`` (a striped link of window-limited TCP flows).
-``latency_s`` is what the collective's chain of hops adds on top (one one-way delay per
+The streams of a link are shared too: every transfer of one group in flight on a site pair
+counts against that link's ``streams x window / RTT`` (resource ``(WINDOW, group, i, j)``) once its
+first windows are out. ``latency_s`` is what the collective's chain of hops adds on top (one one-way delay per
 sequential step), charged after its bytes.
 
 Algorithms follow wanlink's: direct exchange up to ``DIRECT_MAX_BYTES`` per member, pipelined
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from wanlink.plan.cluster import Cluster
 
+WINDOW = "window"  # resource kind: one link's streams x window / RTT (a key (WINDOW, group, site, site))
 DIRECT_MAX_BYTES = 256 * 1024  # wanlink.c10d.process_group.DIRECT_MAX_BYTES
 PIECE_BYTES = 4 * 1024 * 1024  # wanlink.c10d.process_group.PIECE_BYTES: the ring's pipelining unit
 BLOCK = 16  # elements per block of the sparse hook
@@ -117,6 +120,11 @@ class Network:
             if i != j:
                 usage[("wan", i, j)] = count
                 wan_edges += count
+                # the link's streams and their windows, shared by every transfer of this group in flight
+                window = (WINDOW, group, i, j)
+                self.capacity.setdefault(window, self.edge_cap(i, j))
+                if math.isfinite(self.capacity[window]):
+                    usage[window] = 1
         for kind, counts in (("host_out", wan_out), ("host_in", wan_in)):
             for rank, count in counts.items():
                 if (kind, rank) in self.capacity:
@@ -134,7 +142,7 @@ def alone_rate(transfer: Transfer, capacity: dict, capped: bool = True) -> float
     the window cap binds."""
     rate = transfer.cap if capped else math.inf
     for resource, count in transfer.usage.items():
-        if count:
+        if count and (capped or resource[0] != WINDOW):
             rate = min(rate, capacity[resource] / count)
     return rate
 
