@@ -32,9 +32,7 @@ import time
 from typing import Callable
 
 START_STEPS = 32
-"""Most loop iterations a caller runs for what is ready (it stops earlier once nothing is)."""
-LATE_S = 0.001
-"""A timer a caller set is left to the I/O thread's own wake-up when that comes at most this much later."""
+"""Most loop iterations ``start`` runs in the caller (it stops earlier once nothing is ready)."""
 
 
 class _BatonSelector(selectors.BaseSelector):
@@ -99,16 +97,15 @@ class SharedLoop(asyncio.SelectorEventLoop):
     def let_go(self) -> None:
         """Release the baton; wake the I/O thread if work is due before it would wake by itself; tell
         the threads waiting for the baton (``waiting``)."""
-        wake = False
-        try:
-            if threading.get_ident() != self.io_thread:
-                scheduled = self._scheduled
-                while scheduled and scheduled[0]._cancelled:  # as _run_once does: the head decides the wake-up
-                    self._timer_cancelled_count -= 1
-                    heapq.heappop(scheduled)._scheduled = False
-                wake = self._ready or self._stopping or (scheduled and scheduled[0]._when < self.io_wake_at - LATE_S)
-        finally:
-            self.baton.release()
+        if threading.get_ident() != self.io_thread:
+            scheduled = self._scheduled
+            while scheduled and scheduled[0]._cancelled:  # as _run_once does: the head decides the wake-up
+                self._timer_cancelled_count -= 1
+                heapq.heappop(scheduled)._scheduled = False
+            wake = self._ready or self._stopping or (scheduled and scheduled[0]._when < self.io_wake_at)
+        else:
+            wake = False
+        self.baton.release()
         if wake:
             self._write_to_self()
         for event in list(self._waiters):
@@ -134,7 +131,7 @@ class SharedLoop(asyncio.SelectorEventLoop):
 
     def start(self, coro, future) -> bool:
         """Run ``coro`` as a task whose outcome goes to the concurrent ``future``, starting it in this
-        thread when the baton is free (until it waits for I/O: ``_settle``);
+        thread when the baton is free (until it waits for I/O, at most START_STEPS iterations);
         False (``coro`` untouched) when it is not: submit it to the loop thread instead."""
         if not self._take():
             return False
@@ -142,7 +139,10 @@ class SharedLoop(asyncio.SelectorEventLoop):
             with _SigintDeferred(self):
                 task = self.create_task(coro)
                 asyncio.futures._chain_future(task, future)  # what run_coroutine_threadsafe does
-                self._settle()
+                for _ in range(START_STEPS):
+                    if not self._ready or task.done():
+                        break
+                    self._step()
         finally:
             self._give_back()
         return True
@@ -157,21 +157,11 @@ class SharedLoop(asyncio.SelectorEventLoop):
             with _SigintDeferred(self):
                 while not done() and not self._stopping and (end is None or time.monotonic() < end):
                     self._step()
-                self._settle()
         finally:
             if timer is not None:
                 timer.cancel()
             self._give_back()
         return True
-
-    def _settle(self) -> None:
-        """Run what is ready now (what the caller's coroutine set going: the first bytes of its sends,
-        the writers' bookkeeping after them), at most START_STEPS iterations, none blocking; so the
-        I/O thread is not woken just to finish it."""
-        for _ in range(START_STEPS):
-            if not self._ready or self._stopping:
-                break
-            self._step()
 
     def _step(self) -> None:
         self._run_once()
