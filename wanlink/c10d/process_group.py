@@ -28,7 +28,7 @@ from wanlink.c10d.identity import GroupIdentity
 from wanlink.c10d.link_comm import LinkComm
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
-from wanlink.c10d.work import WanlinkWork, caller_state
+from wanlink.c10d.work import WanlinkWork
 from wanlink.collectives import direct, sparse
 from wanlink.collectives.choice import AlgorithmChoice
 from wanlink.collectives.base import Comm, gather_all, split
@@ -154,10 +154,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
 
         traced = torch.autograd._profiler_enabled()  # a range costs ~5 us and a GIL hand-off: only when traced
         with torch.profiler.record_function(f"wanlink:{op}") if traced else contextlib.nullcontext():
-            runtime = self.mesh.runtime
-            with caller_state():  # (the collective may start in this thread)
-                submitted = runtime.submit(guarded())
-            return WanlinkWork(op, outputs, runtime, submitted, reports_source, where)
+            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source, where)
 
     def _collective(self, op: str, fingerprint: tuple, body: Callable[..., Awaitable[None]],
                     staging: Staging, outputs: list, opts=None, parts: int = 1) -> WanlinkWork:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import threading
 from datetime import timedelta
 
@@ -15,24 +14,16 @@ _completions = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_
 """Completes torch futures off the I/O thread, so user ``then`` callbacks never stall the links."""
 
 
-def caller_state():
-    """Torch's thread-local state while a caller's thread runs the I/O loop: as on the loop thread.
-    (Outside inference mode: scratch buffers made then are reused for in-place ops later.)"""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
-
-
 class WanlinkWork(Work):
     """Finishes when its collective's coroutine does; ``get_future()`` yields the output tensors.
 
     A receive's coroutine returns the sender's group rank, which ``_source_rank()`` reports.
     """
 
-    def __init__(self, op: str, outputs: list, runtime, submitted: concurrent.futures.Future,
-                 reports_source: bool = False, label: str | None = None):
-        """``runtime``: the Runtime ``submitted`` came from; ``wait()`` runs its loop while it can."""
+    def __init__(self, op: str, outputs: list, submitted: concurrent.futures.Future, reports_source: bool = False,
+                 label: str | None = None):
         super().__init__()
         self.op = op
-        self._runtime = runtime
         self.label = label or f"wanlink {op}"  # what error messages call it: op, sequence, group
         self._outputs = outputs
         self._reports_source = reports_source
@@ -40,12 +31,11 @@ class WanlinkWork(Work):
         self._future: torch.futures.Future | None = None  # made by the first get_future()
         self._future_lock = threading.Lock()
         self._finished = threading.Event()
-        self._wake = threading.Event()  # for the runtime's wait: set once finished (and by the loop)
         self._error: BaseException | None = None
         submitted.add_done_callback(self._on_done)
 
     def _on_done(self, submitted: concurrent.futures.Future) -> None:
-        """On the thread running the loop: record the outcome and release ``wait()`` at once; the torch future,
+        """On the I/O thread: record the outcome and release ``wait()`` at once; the torch future,
         if anyone asked for it (its ``then`` callbacks run inline), is completed on the completion
         thread. A plain ``wait()`` wakes no third thread to compete with it for the GIL."""
         try:
@@ -58,7 +48,6 @@ class WanlinkWork(Work):
             self._error = error
         with self._future_lock:
             self._finished.set()
-            self._wake.set()
             wanted = self._future is not None
         if wanted:
             _completions.submit(self._complete_future, self._future)
@@ -76,9 +65,7 @@ class WanlinkWork(Work):
         (the collective's own timeout bounds that).
         """
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        with caller_state():
-            finished = self._runtime.wait(self._finished.is_set, self._wake, seconds if seconds and seconds > 0 else None)
-        if not finished:
+        if not self._finished.wait(seconds if seconds and seconds > 0 else None):
             raise DeadlineExceeded(f"{self.label}: Work.wait timed out after {seconds:g} s "
                                    f"(the collective goes on, bounded by its own timeout)")
         if self._error is not None:

@@ -4,13 +4,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextlib
 import threading
-import time
-from typing import Callable
 
 from wanlink.errors import DeadlineExceeded
-from wanlink.io.shared_loop import SharedLoop
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -23,14 +19,10 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 class Runtime:
-    """Runs one event loop in a daemon thread; coroutines are submitted from any thread.
-
-    The loop is a ``SharedLoop``: a thread that submits a coroutine or waits for one runs the loop
-    itself while the loop thread is idle, so a blocking call crosses no thread (docs/transport.md).
-    """
+    """Runs one event loop in a daemon thread; coroutines are submitted from any thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
-        self.loop = loop or SharedLoop()
+        self.loop = loop or new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wanlink-io", daemon=True)
         self._thread.start()
@@ -39,59 +31,30 @@ class Runtime:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
-        if isinstance(self.loop, SharedLoop):
-            self.loop.run_io_thread()
-        else:
-            self.loop.run_forever()
+        self.loop.run_forever()
 
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
 
     def submit(self, coro) -> concurrent.futures.Future:
-        """Run ``coro`` on the loop; returns a concurrent.futures.Future. When the loop is idle, the
-        coroutine starts in this thread (until it waits for I/O), so the loop thread need not wake."""
+        """Schedule ``coro`` on the loop thread; returns a concurrent.futures.Future."""
         if not self.running:
             coro.close()
             raise RuntimeError("the wanlink runtime is shut down")
-        if isinstance(self.loop, SharedLoop):
-            future = concurrent.futures.Future()
-            if self.loop.start(coro, future):
-                return future
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def wait(self, done: Callable[[], bool], wake: threading.Event, timeout: float | None = None) -> bool:
-        """Wait until ``done()``, at most ``timeout`` s; True if it is. Whoever makes ``done()`` true
-        must set ``wake``; this may clear it.
-
-        Whenever the loop is free, this thread runs it meanwhile instead of sleeping until the loop
-        thread wakes it. Waits for the loop thread where this thread cannot run the loop (it runs
-        another loop, or this one's callbacks), and while another thread runs it.
-        """
-        loop = self.loop
-        end = None if timeout is None else time.monotonic() + timeout
-        shared = isinstance(loop, SharedLoop)
-        with loop.waiting(wake) if shared else contextlib.nullcontext():  # set when the baton is free again
-            while not done():
-                if not (shared and loop.drive(done, end)):
-                    wake.wait(None if end is None else max(0.0, end - time.monotonic()))
-                    wake.clear()
-                if end is not None and time.monotonic() >= end:
-                    break
-        return done()
-
     def run(self, coro, timeout: float | None = None):
-        """Run ``coro`` on the loop and wait; DeadlineExceeded (and cancellation) on timeout."""
-        if threading.current_thread() is self._thread or asyncio._get_running_loop() is self.loop:
+        """Run ``coro`` on the loop thread and wait; DeadlineExceeded (and cancellation) on timeout."""
+        if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("Runtime.run() called from the loop thread would deadlock; await instead")
         future = self.submit(coro)
-        wake = threading.Event()
-        future.add_done_callback(lambda _future: wake.set())
-        if not self.wait(future.done, wake, timeout):
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
             future.cancel()
-            raise DeadlineExceeded(f"operation did not finish within {timeout} s")
-        return future.result()
+            raise DeadlineExceeded(f"operation did not finish within {timeout} s") from None
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel every task, close the loop and join the thread."""
