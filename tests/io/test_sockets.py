@@ -4,7 +4,7 @@ import socket
 import pytest
 
 from wanlink.errors import ConfigError
-from wanlink.io.sockets import available_congestion_controls, configure_stream_socket, congestion_of
+from wanlink.io.sockets import UNIX_BUFFER_BYTES, available_congestion_controls, configure_stream_socket, congestion_of
 
 
 def fresh():
@@ -53,6 +53,18 @@ def test_socket_buffer_option():
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 1 << 20
     with fresh() as sock, pytest.raises(ConfigError):
         configure_stream_socket(sock, buffer_bytes=0)
+
+
+def test_unix_sockets_get_room_for_a_whole_chunk():
+    """No autotuning on Unix sockets: at the kernel's default a 1 MiB chunk needs several writable turns."""
+    with open("/proc/sys/net/core/wmem_max") as f:
+        cap = int(f.read())
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right:
+        configure_stream_socket(left)
+        assert left.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(UNIX_BUFFER_BYTES, cap)
+        configure_stream_socket(right, buffer_bytes=64 * 1024)  # an explicit size wins
+        assert right.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < min(UNIX_BUFFER_BYTES, cap)
 
 
 @pytest.mark.asyncio
