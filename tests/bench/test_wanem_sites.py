@@ -80,13 +80,16 @@ def test_lan_stays_local_and_each_host_sends_over_its_own_wan_path():
 @needs_netns
 def test_per_host_caps_add_up_across_a_site():
     cap_mbit, nbytes = 24.0, 3 << 20  # about one second per host at its cap
+    cap, aggregates = cap_mbit * 1e6 / 8, []
     with WanSites(hosts=2, rtt_ms=10, rate_mbit=cap_mbit, egress={"b1": Link(5.0, 48.0)}) as sites:
-        reports, _connects = transfers(sites, [("a0", "b0"), ("a1", "b1")], nbytes)
-    cap = cap_mbit * 1e6 / 8
-    for r in reports:  # upper bounds hold however loaded the machine is: the emulator caps each host
-        assert r["bytes"] / (r["last"] - r["first"]) <= 1.05 * cap
-    aggregate = 2 * nbytes / (max(r["last"] for r in reports) - min(r["first"] for r in reports))
-    assert aggregate >= 1.3 * cap  # loose: two hosts' caps add up (2x in the ideal)
+        # One cap shared by the site could never carry more than ~1x; a starved CPU can only make a
+        # try slower, so up to three tries and the best counts (seen: 0.7x beside a bench).
+        while len(aggregates) < 3 and max(aggregates, default=0) < 1.3 * cap:
+            reports, _connects = transfers(sites, [("a0", "b0"), ("a1", "b1")], nbytes)
+            for r in reports:  # upper bounds hold however loaded the machine is: the emulator caps each host
+                assert r["bytes"] / (r["last"] - r["first"]) <= 1.05 * cap
+            aggregates.append(2 * nbytes / (max(r["last"] for r in reports) - min(r["first"] for r in reports)))
+    assert max(aggregates) >= 1.3 * cap, aggregates  # loose: two hosts' caps add up (2x in the ideal)
     assert sites.host("b1").egress.rate_mbit == 48.0 and sites.host("a0").egress.rate_mbit == cap_mbit
 
 
