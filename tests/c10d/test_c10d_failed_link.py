@@ -15,12 +15,6 @@ def fail_one_link(rank, size):
     mesh = mesh_module._world_mesh
     store = dist.distributed_c10d._get_default_store()
     dist.barrier()  # both links are up
-    heard = []  # what the mesh's lost-link listeners were told (LostMemberWatch listens this way)
-
-    async def listen():
-        mesh.on_lost(lambda peer, reason: heard.append((peer, str(reason))))
-
-    mesh.runtime.run(listen())
     if rank == 1:
         link = mesh.runtime.run(mesh.link(0))
         gone = weakref.ref(link)
@@ -42,8 +36,8 @@ def fail_one_link(rank, size):
         deadline = time.monotonic() + 10
         while gone() is not None and time.monotonic() < deadline:  # its streams finish saying goodbye
             time.sleep(0.05)
-        return message, gone() is None, heard
-    return message, lost, heard
+        return message, gone() is None
+    return message, lost
 
 
 async def _fail(link, error):
@@ -51,10 +45,7 @@ async def _fail(link, error):
 
 
 def test_a_failed_link_is_dropped_and_both_sides_say_why():
-    (sender_error, sender_lost, sender_heard), (receiver_error, freed, receiver_heard) = \
-        run_world(2, fail_one_link, timeout=120)
+    (sender_error, sender_lost), (receiver_error, freed) = run_world(2, fail_one_link, timeout=120)
     assert "test: a broken frame" in sender_error and sender_lost  # told by the ABORT frame
     assert "link rank 1 <-> rank 0 failed" in receiver_error and "test: a broken frame" in receiver_error
     assert freed  # dropped by the mesh and freed without a GC pass
-    assert [peer for peer, _reason in sender_heard] == [1] and "test: a broken frame" in sender_heard[0][1]
-    assert [peer for peer, _reason in receiver_heard] == [0] and "rank 1 <-> rank 0 failed" in receiver_heard[0][1]

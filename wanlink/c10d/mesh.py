@@ -22,7 +22,6 @@ import logging
 import secrets
 import socket
 import threading
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -127,7 +126,6 @@ class Mesh:
             store.set(WORLD_KEY, secrets.token_hex(8))
         self.world = _store_get(store, WORLD_KEY, timeout).decode()
         self._links: dict[int, asyncio.Future] = {}
-        self._lost_listeners: set[Callable[[int, BaseException], None]] = set()
         self._slots: dict[int, str] = {}
         self._closed = False
         self.striping = None  # this mesh's wanlink.c10d.striped_p2p.StripedP2P, once serve() made one
@@ -212,7 +210,6 @@ class Mesh:
             if not slot.done():
                 slot.set_exception(PeerLost(f"wanlink: cannot connect rank {self.rank} -> rank {peer} "
                                             f"at {host}:{port}: {error!r}"))
-                self._tell_lost(peer)
             return
         if slot.done():
             await link.close()
@@ -254,18 +251,6 @@ class Mesh:
                                       f"(rank {peer} at {host}:{port}): {link.error}"))
         failed.exception()  # retrieved: nobody need ask
         self._links[peer] = failed
-        self._tell_lost(peer)
-
-    def on_lost(self, listener: Callable[[int, BaseException], None]) -> Callable[[], None]:
-        """Call ``listener(peer, reason)`` on the loop thread whenever the link to a peer fails or cannot
-        be made (loop thread); returns the function that stops it."""
-        self._lost_listeners.add(listener)
-        return lambda: self._lost_listeners.discard(listener)
-
-    def _tell_lost(self, peer: int) -> None:
-        reason = self.lost(peer)
-        for listener in list(self._lost_listeners):
-            listener(peer, reason)
 
     def lost(self, peer: int) -> BaseException | None:
         """Why the link to ``peer`` failed, if it did (loop thread); None for itself and live or pending links."""

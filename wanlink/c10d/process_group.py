@@ -38,6 +38,8 @@ from wanlink.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+LOST_POLL_S = 0.5
+"""How often a collective checks whether the link to one of its members failed."""
 SILENT_S = 3.0
 """A peer whose link received nothing for this long (3 missed pings) is named as frozen in a timeout."""
 SHUTDOWN_DRAIN_SECONDS = 10.0
@@ -45,24 +47,25 @@ SHUTDOWN_DRAIN_SECONDS = 10.0
 
 
 class LostMemberWatch:
-    """Cancels the running collective's task as soon as the link to any member of its group fails
-    (told by the mesh on the loop thread, or already failed when it starts), so it fails at once
-    naming that rank, even while it waits on another member."""
+    """Cancels the running collective's task when the link to any member of its group has failed
+    (checked every LOST_POLL_S on the loop), so it fails at once naming that rank, even while it
+    waits on another member. Costs one timer per collective, no extra task."""
 
     def __init__(self, mesh, ranks: Sequence[int]):
-        self.ranks = frozenset(ranks)
+        self.mesh, self.ranks = mesh, ranks
         self.task = asyncio.current_task()
         self.lost: BaseException | None = None
-        self.stop = mesh.on_lost(self._on_lost)
-        for rank in ranks:
-            if (reason := mesh.lost(rank)) is not None:
-                self._on_lost(rank, reason)
-                break
+        self._timer = self.task.get_loop().call_later(LOST_POLL_S, self._check)
 
-    def _on_lost(self, peer: int, reason: BaseException) -> None:
-        if peer in self.ranks and self.lost is None:
-            self.lost = reason
+    def _check(self) -> None:
+        self.lost = next(filter(None, (self.mesh.lost(rank) for rank in self.ranks)), None)
+        if self.lost is not None:
             self.task.cancel()
+        else:
+            self._timer = self.task.get_loop().call_later(LOST_POLL_S, self._check)
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
