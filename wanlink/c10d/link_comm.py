@@ -79,8 +79,9 @@ class LinkComm(Comm):
         silent = {}
         for peer in peers:
             link = self._mesh.cached(self._mesh_ranks[peer])
-            if link is not None and link.silent_s() > longer_than:
-                silent[peer] = link.silent_s()
+            quiet = float("-inf") if link is None else link.silent_s()
+            if quiet > longer_than:
+                silent[peer] = quiet
         return silent
 
     @contextlib.contextmanager

@@ -329,11 +329,12 @@ class Link:
             self.sending.on_ack(header.raw_len)
             if transfer.complete:
                 del self._outgoing[key]
-                self.wire.on_message(transfer.started, time.monotonic(), transfer.total)
+                finished = time.monotonic()
+                self.wire.on_message(transfer.started, finished, transfer.total)
                 transfer.release_copy(self._copies)
                 if not self._outgoing:  # nothing left to send: the coming gap is the application's
                     self.delivery.on_idle(now)
-                    self.sending.on_idle(time.monotonic())
+                    self.sending.on_idle(finished)
                 if not done.done():
                     done.set_result(None)
             elif transfer.settle_written and not transfer.unwritten:
