@@ -15,6 +15,16 @@ import traceback
 from datetime import timedelta
 
 
+def _wait_for_every_rank(store, size: int, within_s: float) -> None:
+    """Start line: a short ``init_timeout`` times the group, not a slow interpreter start under load."""
+    store.add("worlds/imported", 1)
+    deadline = time.monotonic() + within_s
+    while (arrived := store.add("worlds/imported", 0)) < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {arrived} of {size} ranks started within {within_s:.0f} s")
+        time.sleep(0.01)
+
+
 def _rank_main(rank, size, store_path, result_dir, target, args, backend, init_timeout, env, hang_after):
     os.environ.update(env)
     faulthandler.dump_traceback_later(hang_after)  # a hung rank shows where it hangs
@@ -24,8 +34,10 @@ def _rank_main(rank, size, store_path, result_dir, target, args, backend, init_t
 
         import wanlink  # noqa: F401 - registers the backend
 
-        dist.init_process_group(backend, store=dist.FileStore(store_path, size), rank=rank,
-                                world_size=size, timeout=timedelta(seconds=init_timeout))
+        store = dist.FileStore(store_path, size)
+        _wait_for_every_rank(store, size, hang_after)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=init_timeout))
         outcome = ("ok", target(rank, size, *args))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
