@@ -5,12 +5,13 @@ namespaces of a ``bench.wanem`` path (2 ranks: one per namespace; 4 ranks: two p
 which reach each other over Unix sockets, so the namespaces are two sites). Before training, a
 configuration's ranks measure every input the models read, all at once so that they share the CPU
 as in training: the calibration (two 16 MiB all-reduces warm the link, then lone all-reduces of
-64 KiB, 1 MiB and 4 MiB take turns), the profile of the step alone (``profile_model``, 20 steps),
-and the profile beside the training's exchanges (each step launches one collective per bucket,
-as DDP and the sparse hook do, and waits for them at its end): that gives ``comm_slowdown``, the
+64 KiB, 1 MiB and 4 MiB take turns; the ranks' mean time counts), the profile of the step alone
+(``profile_model`` through DDP and the hook over a one-rank group, 20 steps), and the same profile
+beside the training's exchanges (each bucket's collective over the real group launched as DDP
+hands the bucket to the hook, waited for at the step's end): that gives ``comm_slowdown``, the
 time the exchanges took beside compute (which joins the calibration), and the CPU the rank's
-transport threads spent per step. Then they train; the median of the slowest rank's iterations
-(the first 5 discarded) is compared with the coarse and fine models, given the path's settings
+transport threads spent per step. Then they train; the mean period of the slowest rank's
+iterations (the first 5 discarded) is compared with the coarse and fine models, given the path's settings
 (RTT, rate, the emulator's 1536 KiB window per flow, the stream count), the path's efficiency and
 per-step send overhead fitted to the calibration (``calibrate_link``, never to the training
 iterations), and per namespace half the host's cores less the emulator's measured share. Two more
