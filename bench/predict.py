@@ -5,12 +5,13 @@ namespaces of a ``bench.wanem`` path (2 ranks: one per namespace; 4 ranks: two p
 which reach each other over Unix sockets, so the namespaces are two sites). Before training, a
 configuration's ranks measure every input the models read, all at once so that they share the CPU
 as in training: the calibration (two 16 MiB all-reduces warm the link, then lone all-reduces of
-64 KiB, 1 MiB and 4 MiB take turns), the profile of the step alone (``profile_model``, 20 steps),
-and the profile beside the training's exchanges (each step launches one collective per bucket,
-as DDP and the sparse hook do, and waits for them at its end): that gives ``comm_slowdown``, the
+64 KiB, 1 MiB and 4 MiB take turns; the ranks' mean time counts), the profile of the step alone
+(``profile_model`` through DDP and the hook over a one-rank group, 20 steps), and the same profile
+beside the training's exchanges (each bucket's collective over the real group launched as DDP
+hands the bucket to the hook, waited for at the step's end): that gives ``comm_slowdown``, the
 time the exchanges took beside compute (which joins the calibration), and the CPU the rank's
-transport threads spent per step. Then they train; the median of the slowest rank's iterations
-(the first 5 discarded) is compared with the coarse and fine models, given the path's settings
+transport threads spent per step. Then they train; the mean period of the slowest rank's
+iterations (the first 5 discarded) is compared with the coarse and fine models, given the path's settings
 (RTT, rate, the emulator's 1536 KiB window per flow, the stream count), the path's efficiency and
 per-step send overhead fitted to the calibration (``calibrate_link``, never to the training
 iterations), and per namespace half the host's cores less the emulator's measured share. Two more
@@ -119,6 +120,8 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import wanlink  # noqa: F401 - registers the backend
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     from wanlink.c10d import sparse_hook
     from wanlink.plan.profiler import default_loss, profile_model
 
@@ -132,12 +135,32 @@ def worker(args) -> None:
     model = make_model()
     batch = make_batch(args.rank)
     probe_s = lone_allreduce_seconds(dist, torch)
+    alone = [dist.new_group([rank]) for rank in range(config["ranks"])][args.rank]  # every rank makes every group
     options = {"bucket_cap_mb": config["bucket_cap_mb"], "density": config["density"], "name": "bench.predict MLP"}
-    profile = profile_model(make_model(), batch, warmup=PROFILE_WARMUP, iterations=PROFILE_ITERATIONS, **options)
+
+    def profiled(**more):
+        """The step as training runs it (DDP and the hook, over this rank's one-rank group)."""
+        net = make_model()
+        hook = None
+        if config["density"] is not None:
+            hook = (sparse_hook.BlockSparseState(density=config["density"], staleness=config["staleness"],
+                                                 momentum=0.9, process_group=alone), sparse_hook.block_sparse_hook)
+        optimizer = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.0 if hook else 0.9)
+        if exchanges is not None:  # the busy profile: each bucket's exchange leaves as DDP hands the bucket over
+            state, real = hook or (alone, allreduce_hook)
+
+            def hook_and_exchange(hook_state, bucket):
+                exchanges.launch(bucket.index())
+                return real(hook_state, bucket)
+
+            hook = (state, hook_and_exchange)
+        return profile_model(net, batch, optimizer=optimizer, process_group=alone, comm_hook=hook, **options, **more)
+
+    exchanges = None
+    profile = profiled(warmup=PROFILE_WARMUP, iterations=PROFILE_ITERATIONS)
     exchanges = training_exchanges(dist, torch, profile, config)
     cpu, main_thread = time.process_time(), time.thread_time()
-    busy = profile_model(make_model(), batch, warmup=BUSY_WARMUP, iterations=_busy_iterations(config),
-                         background=exchanges, **options)
+    busy = profiled(warmup=BUSY_WARMUP, iterations=_busy_iterations(config), background=exchanges)
     # the CPU the rank's other threads (wanlink's event loop, its completion thread) spent per step's exchanges
     transport_cpu_s = ((time.process_time() - cpu) - (time.thread_time() - main_thread)) / len(exchanges.seconds)
     ddp = DDP(model, bucket_cap_mb=config["bucket_cap_mb"], gradient_as_bucket_view=True)
@@ -166,21 +189,32 @@ def worker(args) -> None:
     if state is not None and state.flush():
         optimizer.step()
     dist.barrier()
+    offsets = _median_offsets(exchanges.offsets[BUSY_WARMUP:])
     Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(),
                                              "busy_profile": busy.to_json(), "transport_cpu_s": transport_cpu_s,
                                              "seconds": seconds,
                                              "forward": forward, "backward": backward, "cpu_s": cpu_s,
                                              "lone_allreduce_s": probe_s,
-                                             "busy_exchange_s": statistics.median(exchanges.seconds[BUSY_WARMUP:])}))
+                                             "busy_exchange_s": statistics.median(exchanges.seconds[BUSY_WARMUP:]),
+                                             "busy_launch_offsets_s": offsets}))
     dist.destroy_process_group()
 
 
+def _median_offsets(steps: list[dict]) -> dict[str, float]:
+    """Median launch offset of every bucket over the busy profile's timed steps (JSON keys)."""
+    return {str(index): statistics.median(step[index] for step in steps if index in step) for index in steps[-1]}
+
+
 def training_exchanges(dist, torch, profile, config: dict):
-    """``profile_model``'s ``background``: the exchanges one training step makes (one collective per
-    bucket, launched asynchronously: an all-reduce of the bucket dense, an all-gather of its sparse
-    message), so the busy profile times compute beside the transport's CPU as training runs it.
-    ``start.seconds`` collects, per step, how long its exchanges took (launch to the last one's end)
-    while the ranks computed: the link's calibration under training's conditions."""
+    """The exchanges one training step makes, for the busy profile: ``start`` is
+    ``profile_model``'s ``background`` (called as each step begins, it returns the wait for the
+    step's exchanges), ``start.launch(index)`` launches bucket ``index``'s collective (an
+    all-reduce of the bucket dense, an all-gather of its sparse message, asynchronously), called
+    by the profile's comm hook the moment DDP hands the bucket over, as in training. So the busy
+    profile times compute beside the transport's CPU as training runs it. Per step,
+    ``start.seconds`` collects how long its exchanges took (first launch to the last one's end)
+    and ``start.offsets`` each bucket's launch after the first: the link's calibration under
+    training's conditions."""
     from wanlink.c10d.sparse_hook import _all_gather_single
     from wanlink.plan.choice import Choice, bucket_message_bytes
 
@@ -189,31 +223,37 @@ def training_exchanges(dist, torch, profile, config: dict):
     if config["density"] is None:
         tensors = [torch.ones(size // 4) for size in sizes]
 
-        def launch():
-            return [dist.all_reduce(tensor, async_op=True) for tensor in tensors]
+        def collective(index):
+            return dist.all_reduce(tensors[index], async_op=True)
     else:
         pairs = [(torch.empty(world * size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)) for size in sizes]
 
-        def launch():
-            return [_all_gather_single(gathered, message, async_op=True) for gathered, message in pairs]
+        def collective(index):
+            return _all_gather_single(*pairs[index], async_op=True)
+
+    step = {"launched": {}, "works": [], "ends": []}
+
+    def launch(index):
+        step["launched"][index] = time.perf_counter()
+        work = collective(index)
+        work.get_future().then(lambda _f: step["ends"].append(time.perf_counter()))
+        step["works"].append(work)
 
     def start():
-        begin = time.perf_counter()
-        ends = []
-        works = launch()
-        for work in works:
-            work.get_future().then(lambda _f: ends.append(time.perf_counter()))
+        step.update(launched={}, works=[], ends=[])
 
         def finish():
-            for work in works:
+            for work in step["works"]:
                 work.wait()
-            while len(ends) < len(works):  # the futures' callbacks run on wanlink's completion thread
+            while len(step["ends"]) < len(step["works"]):  # the callbacks run on wanlink's completion thread
                 time.sleep(0.0005)
-            start.seconds.append(max(ends) - begin)
+            first = min(step["launched"].values())
+            start.seconds.append(max(step["ends"]) - first)
+            start.offsets.append({index: moment - first for index, moment in step["launched"].items()})
 
         return finish
 
-    start.seconds = []
+    start.launch, start.seconds, start.offsets = launch, [], []
     return start
 
 
@@ -243,10 +283,41 @@ def lone_allreduce_seconds(dist, torch) -> dict[str, float]:
 
 
 def _lone_probes(row: dict) -> dict[int, float]:
-    """Bytes -> measured seconds of the row's lone all-reduces (rows measured before 2026-11-26: 4 MiB only)."""
+    """Bytes -> measured seconds of the row's lone all-reduces: the mean over the ranks where the row
+    has each rank's time (``_rank_mean``), else the slowest rank's (rows measured before
+    2026-11-26: 4 MiB only)."""
+    if "per_rank_lone_allreduce_s" in row:
+        per_rank = row["per_rank_lone_allreduce_s"]
+        return {int(size): _rank_mean([times[size] for times in per_rank]) for size in per_rank[0]}
     if "lone_allreduce_s" in row:
         return {int(size): seconds for size, seconds in row["lone_allreduce_s"].items()}
     return {4 * 1024 * 1024: row["probe_allreduce_s"]}
+
+
+def _rank_mean(seconds: list[float]) -> float:
+    """What one exchange costs, from each rank's time for it. Ranks never start an exchange
+    together: a barrier hands its exit skew on (each rank leaves it one delivery after the other
+    entered), and so does every exchange after it, so one rank starts ``s`` earlier and times
+    ``d + s`` where the other times ``d - s`` (traced: docs/plan.md, "Delivery and phase offset").
+    The mean over the ranks is ``d``; the slowest rank's time counts the skew as well."""
+    return statistics.fmean(seconds)
+
+
+def _launch_offsets(row: dict, profile) -> list[float]:
+    """Each bucket's launch after the first one's in the busy profile (mean over ranks); rows measured
+    before 2026-11-26 16:30 launched every bucket at once."""
+    if "per_rank_busy_launch_offsets_s" not in row:
+        return [0.0] * len(profile.buckets)
+    per_rank = row["per_rank_busy_launch_offsets_s"]
+    return [statistics.fmean(offsets.get(str(index), 0.0) for offsets in per_rank)
+            for index in range(len(profile.buckets))]
+
+
+def _busy_exchange(row: dict) -> float:
+    """Seconds of the training's exchanges beside the busy profile (mean over ranks where kept)."""
+    if "per_rank_busy_exchange_s" in row:
+        return _rank_mean(row["per_rank_busy_exchange_s"])
+    return row["busy_exchange_s"]
 
 
 EFFICIENCIES = [e / 100 for e in range(20, 101)]  # of the nominal rate; a cluster allows (0, 1]
@@ -266,10 +337,11 @@ def calibrate_link(row: dict, choice, profile=None) -> tuple[float, float]:
     dense = replace(choice, density=None, staleness=0, order="fcfs")
     probes = [(Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(size, 0.0, (size // 4,)),)), dense, seconds)
               for size, seconds in _lone_probes(row).items()]
-    if profile is not None and "busy_exchange_s" in row:  # every bucket's exchange at once, no compute
+    if profile is not None and "busy_exchange_s" in row:  # the step's exchanges, no compute
         exchanges = replace(profile, forward_s=0.0, backward_s=0.0, step_s=0.0, comm_slowdown=1.0,
-                            buckets=tuple(replace(b, ready_s=0.0, sparsify_s=0.0) for b in profile.buckets))
-        probes.append((exchanges, replace(choice, staleness=0), row["busy_exchange_s"]))
+                            buckets=tuple(replace(b, ready_s=offset, sparsify_s=0.0)
+                                          for b, offset in zip(profile.buckets, _launch_offsets(row, profile))))
+        probes.append((exchanges, replace(choice, staleness=0), _busy_exchange(row)))
     measured = [seconds for _p, _c, seconds in probes]
     best = None
     for efficiency in EFFICIENCIES:
@@ -332,7 +404,8 @@ def measure(path, config: dict, port: int) -> dict:
                                  for size in results[0]["lone_allreduce_s"]},
             "busy_exchange_s": max(r["busy_exchange_s"] for r in results),
             "per_rank_lone_allreduce_s": [r["lone_allreduce_s"] for r in results],
-            "per_rank_busy_exchange_s": [r["busy_exchange_s"] for r in results]}
+            "per_rank_busy_exchange_s": [r["busy_exchange_s"] for r in results],
+            "per_rank_busy_launch_offsets_s": [r["busy_launch_offsets_s"] for r in results]}
     return {**row, **measured(row, SKIP_FIRST)}
 
 

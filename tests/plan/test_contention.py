@@ -74,8 +74,11 @@ def test_a_sites_cores_bound_the_period():
         for model in (simulate, coarse):
             assert model(cluster, busy, choice).iteration_s == pytest.approx(0.08)
     # the training thread's CPU time, where the profile has it, stands for the compute's wall time
-    measured_cpu = Profile(**{**busy.__dict__, "cpu_s": 0.019})
+    # (a profile taken with a density: the hook's CPU is in it)
+    measured_cpu = Profile(**{**busy.__dict__, "cpu_s": 0.02})
     assert simulate(cluster, measured_cpu, Choice(density=0.01, staleness=1)).iteration_s == pytest.approx(0.06)
+    dense_profile = Profile(**{**busy.__dict__, "cpu_s": 0.019, "density": None})  # the hook's time on top
+    assert simulate(cluster, dense_profile, Choice(density=0.01, staleness=1)).iteration_s == pytest.approx(0.06)
     unlimited = cluster_from_dict({**doc, "site": [{"name": "a", "ranks": 2}, {"name": "b", "ranks": 2}]})
     assert simulate(unlimited, busy, Choice(density=0.01)).iteration_s < 0.05
     with pytest.raises(ConfigError, match=r"site\[1\].cores must be a finite number > 0"):

@@ -126,11 +126,13 @@ def sparsify_seconds(profile: Profile, choice: Choice) -> list[float]:
 
 def cpu_bound_s(cluster: Cluster, profile: Profile, choice: Choice) -> float:
     """The shortest iteration the sites' cores allow (0 where no site gives ``cores``): a site's
-    ranks spend, per step, their compute's CPU time (``Profile.cpu_s``, else its wall time
-    ``compute_s``; the sparse hook's time on top) and the CPU their transport threads spend on the
-    step's exchanges (``Profile.transport_cpu_s``), all of it on the site's cores."""
+    ranks spend, per step, their compute's CPU time (``Profile.cpu_s``, which holds the sparse
+    hook's where the profile was taken with a density; else its wall time ``compute_s`` and the
+    hook's) and the CPU their transport threads spend on the step's exchanges
+    (``Profile.transport_cpu_s``), all of it on the site's cores."""
     demand = [0.0] * len(cluster.sites)
     hook = sum(b.sparsify_s for b in profile.buckets) if choice.density is not None else 0.0
     for site, rank in zip(cluster.site_of_rank(), rank_profiles(cluster, profile, choice, contended=False)):
-        demand[site] += (rank.cpu_s or rank.compute_s) + hook + profile.transport_cpu_s
+        compute = rank.cpu_s + (hook if profile.density is None else 0.0) if rank.cpu_s else rank.compute_s + hook
+        demand[site] += compute + profile.transport_cpu_s
     return max((need / site.cores for need, site in zip(demand, cluster.sites) if site.cores), default=0.0)

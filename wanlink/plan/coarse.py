@@ -1,20 +1,23 @@
 """The coarse model: closed-form iteration times (Li et al., TPDS'22, section 3.1) (pure).
 
 Ring all-reduce (their eq. 11, with per-bucket overlap): every bucket's collective sends for
-``c_b = bytes_per_edge / rate`` alone on the network (``2(K-1)/K x M_b`` per edge for a ring
-all-reduce, ``(K-1) x m_b`` for a sparse ring all-gather, ``M_b`` or ``m_b`` for a direct
-exchange); sends run one after another, each starting when its bucket is ready (``r_b``, seconds
-after backward starts, plus the sparse hook's time so far), and the delays of the last
-collective (``L``: hops x one-way delay, plus the acknowledgement) follow::
+``c_b = bytes_per_edge / rate`` alone on the network at the rate of the streams its own sends
+keep busy (``2(K-1)/K x M_b`` per edge for a ring all-reduce, ``(K-1) x m_b`` for a sparse ring
+all-gather, ``M_b`` or ``m_b`` for a direct exchange), and for ``l_b`` at the rate its links give
+all collectives in flight together (every stream's window: several buckets' sends share them).
+The link serves the buckets in turn, each from when it is ready (``r_b``, seconds after backward
+starts, plus the sparse hook's time so far), and none ends before its own ``c_b``; its delays
+(``L_b``: hops x one-way delay; a send ends once written, no acknowledgement) follow::
 
-    f_0 = r_0 + c_0,   f_b = max(r_b, f_{b-1}) + c_b
-    T   = T_F + max(T_B + H, f_last + L) + T_S              (staleness 0)
-    T   = max(T_F + T_B + H + T_S, sum_b c_b, (T_F + f_last + L + T_S) / 2)   (staleness 1)
+    g_b = max(r_b, g_{b-1}) + l_b,   f_b = max(f_{b-1}, g_b + L_b, r_b + c_b + L_b)
+    T   = T_F + max(T_B + H, f_last) + T_S              (staleness 0)
+    T   = max(T_F + T_B + H + T_S, sum_b l_b, (T_F + f_last + T_S) / 2)   (staleness 1)
 
 With staleness 1 the step of iteration i+1 waits for iteration i's exchange, which starts during
 i's backward, so iteration i+2's exchange starts ``T_F + f_last + L + T_S`` after iteration i's:
 two iterations per exchange chain, two exchanges in flight (the fine model's rhythm); the link
-still carries one iteration's bytes per period.
+still carries one iteration's bytes per period. Where one bucket's streams fill the link
+(``l_b = c_b``) the buckets' sends run one after another, as in their model.
 
 Parameter server (their eq. 10, hybrid of the PS and FCFS sharing models, maximal overlap)::
 
@@ -49,6 +52,20 @@ def collective_seconds(net: Network, phases) -> float:
         shared = max((nbytes / net.capacity[r] for r, nbytes in load.items() if nbytes), default=0.0)
         total += max(max(t.duration_alone(net.capacity) for t in phase),
                      shared + max(t.latency_s for t in phase))
+    return total
+
+
+def link_seconds(net: Network, phases) -> float:
+    """A bucket's sending time at the rate its links give all collectives in flight together (every
+    stream's window, the paths' and hosts' rates), not only the streams its own sends keep busy:
+    the most its resources need for the bytes its transfers put on them, phase after phase."""
+    total = 0.0
+    for phase in phases:
+        load: dict = {}
+        for t in phase:
+            for resource, count in t.usage.items():
+                load[resource] = load.get(resource, 0.0) + count * t.edge_bytes
+        total += max((nbytes / net.capacity[r] for r, nbytes in load.items() if nbytes), default=0.0)
     return total
 
 
@@ -88,14 +105,17 @@ def coarse(cluster: Cluster, profile: Profile, choice: Choice = Choice(), archit
     else:
         latencies = [collective_latency(bucket) for bucket in phases]
         sends = [collective_seconds(net, bucket) - latency for bucket, latency in zip(phases, latencies)]
-        finish, hook_so_far = 0.0, 0.0
-        for bucket, send, bucket_hook in zip(slowest.buckets, sends, hooks):
+        # a bucket alone sends no slower than the link serves it (its first windows leave at line rate)
+        links = [min(link_seconds(net, bucket), send) for bucket, send in zip(phases, sends)]
+        finish, link_free, hook_so_far = 0.0, 0.0, 0.0
+        for bucket, send, link, latency, bucket_hook in zip(slowest.buckets, sends, links, latencies, hooks):
             hook_so_far += bucket_hook
-            finish = max(bucket.ready_s + hook_so_far, finish) + send
-        finish += latencies[-1] if latencies else 0.0
-        comm = sum(sends) + (latencies[-1] if latencies else 0.0)
+            ready = bucket.ready_s + hook_so_far
+            link_free = max(ready, link_free) + link  # the link serves the buckets in turn at its full rate
+            finish = max(finish, link_free + latency, ready + send + latency)  # and none beats its own cap
+        comm = sum(links) + (latencies[-1] if latencies else 0.0)
         if choice.staleness:  # two steps' exchanges may be in flight: the link's bytes, or half the chain
-            iteration = max(forward + backward + hook + step, sum(sends), (forward + finish + step) / 2)
+            iteration = max(forward + backward + hook + step, sum(links), (forward + finish + step) / 2)
         else:
             iteration = forward + max(backward + hook, finish) + step
     iteration = max(iteration, cpu_bound_s(cluster, profile, choice))

@@ -48,7 +48,7 @@ class Profile:
     iterations: int = 0
     comm_slowdown: float = 1.0  # compute time while the link carries exchanges / compute time alone (measured)
     transport_cpu_s: float = 0.0  # CPU the rank's transport threads spend on one step's exchanges (measured)
-    cpu_s: float = 0.0  # CPU time of the training thread per step (0 = not measured: compute_s stands for it)
+    cpu_s: float = 0.0  # training thread's CPU time per step, the sparse hook's included if density (0 = not measured)
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

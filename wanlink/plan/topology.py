@@ -9,7 +9,7 @@ one edge can carry: ``streams x window / RTT`` (a striped link of window-limited
 The streams of a link are shared too: every transfer of one group in flight on a site pair
 counts against that link's ``streams x window / RTT`` (resource ``(WINDOW, group, i, j)``) once its
 first windows are out. ``latency_s`` is what the collective's chain of hops adds on top (one one-way delay per
-sequential step), charged after its bytes.
+sequential step, no acknowledgement: a send ends once written), charged after its bytes.
 
 Algorithms follow wanlink's: direct exchange up to ``DIRECT_MAX_BYTES`` per member, pipelined
 rings above; dense buckets all-reduce, sparse ones all-gather block-COO frames. ``site``
@@ -130,10 +130,12 @@ class Network:
                 if (kind, rank) in self.capacity:
                     usage[(kind, rank)] = count
         # a ring's data passes its edges in turn (a step costs the mean edge delay), one hop costs the
-        # slowest; a send ends when the peer's acknowledgement is back: one more one-way delay
+        # slowest. No acknowledgement is waited for: wanlink's send ends once its bytes are written
+        # to the socket, and a member's part ends when its peers' bytes have arrived (traced:
+        # docs/plan.md "Delivery and phase offset")
         hop = total_delay / sum(edges.values()) if steps > 1 else slowest
         free = self.streams_used(message_bytes) * self.cluster.window if math.isfinite(cap) else 0.0
-        return Transfer(edge_bytes, usage, cap, steps * hop + slowest, group, label,
+        return Transfer(edge_bytes, usage, cap, steps * hop, group, label,
                         wan_bytes=wan_edges * edge_bytes, free_bytes=free)
 
 
