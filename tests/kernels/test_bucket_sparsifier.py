@@ -102,11 +102,10 @@ def test_compiled_segments_match_reference_bit_for_bit(both_implementations, rng
     outcomes = []
     for module in (compiled, ref):
         residual = np.ones(offsets[-1], dtype=np.float32)
-        arrays = [np.zeros(nblocks.sum(), np.float32), np.zeros(nblocks.sum(), np.int32),
-                  np.zeros(nblocks.sum(), np.float32), np.zeros(ks.sum(), np.int32), np.zeros(ks.sum() * 16, np.float32)]
-        stats = [np.zeros(len(numels), np.int64), np.zeros(len(numels), np.int64), np.zeros(len(numels), np.float32),
-                 np.zeros(len(numels), np.int64)]
-        scores, candidates, candidate_scores, out_ids, out_values = arrays
+        scores, candidates, candidate_scores = (np.zeros(nblocks.sum(), dtype) for dtype in (np.float32, np.int32,
+                                                                                               np.float32))
+        out_ids, out_values = np.zeros(ks.sum(), np.int32), np.zeros(ks.sum() * 16, np.float32)
+        stats = [np.zeros(len(numels), dtype) for dtype in (np.int64, np.int64, np.float32, np.int64)]
         module.sparsify_segments(grad, residual, scores, candidates, candidate_scores, offsets, thresholds,
                                  thresholds * 0.9, ks, out_ids, out_values, 16, 3, *stats)
         outcomes.append((residual, out_ids, out_values, *stats))
