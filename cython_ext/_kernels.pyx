@@ -9,7 +9,7 @@ and allocates nothing: scratch space comes from the caller.
 """
 from cython.parallel cimport prange
 from libc.math cimport fabsf, isfinite
-from libc.stdint cimport int32_t, uint8_t, uint32_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 from libc.string cimport memcpy, memmove, memset
 
 cdef extern from *:
@@ -111,7 +111,7 @@ cdef extern from *:
         Py_ssize_t first, Py_ssize_t last, float threshold, float band, Py_ssize_t* above,
         Py_ssize_t* nonfinite) noexcept nogil
 
-KERNEL_ABI = 3
+KERNEL_ABI = 4
 MAX_BLOCK_SIZE = MAX_BLOCK
 
 cdef bint avx2_scoring = cpu_has_avx2()
@@ -344,32 +344,23 @@ cdef void gather_range(const float* grad, float* residual, const int32_t* out_in
             memset(out_values + i * block + valid, 0, (block - valid) * sizeof(float))
 
 
-def sparsify_blocks(const float[::1] grad, float[::1] residual, float[::1] scores,
-                    int32_t[::1] candidates, float[::1] candidate_scores, double threshold, double band, Py_ssize_t k,
-                    int32_t[::1] out_indices, float[::1] out_values, Py_ssize_t block,
-                    int num_threads):
-    """Score, select the exact top-k blocks and update the residual; see reference.sparsify_blocks."""
-    cdef Py_ssize_t numel = grad.shape[0]
+cdef Py_ssize_t sparsify_one(const float* grad_ptr, float* residual_ptr, float* scores_ptr, int32_t* candidates_ptr,
+                             float* candidate_scores_ptr, Py_ssize_t numel, float threshold32, float band32,
+                             Py_ssize_t k, int32_t* out_indices, float* out_values, Py_ssize_t block,
+                             int num_threads, Py_ssize_t* above_out, Py_ssize_t* candidates_out, float* cutoff_out,
+                             Py_ssize_t* nonfinite_out) noexcept nogil:
+    """sparsify_blocks on raw pointers (numel > 0): the stats go to the *_out pointers; returns how
+    many blocks it selected (k, or 0 when it selects nothing: non-finite scores or k == 0)."""
     cdef Py_ssize_t nblocks = (numel + block - 1) // block
     cdef Py_ssize_t above_counts[MAX_CHUNKS]
     cdef Py_ssize_t candidate_counts[MAX_CHUNKS]
     cdef Py_ssize_t nonfinite_counts[MAX_CHUNKS]
     cdef Py_ssize_t nchunks, chunk_blocks, chunk, first, last, gather_chunks
     cdef Py_ssize_t above = 0, ncandidates = 0, nonfinite = 0, take_equal = 0, written = 0
-    cdef const float* grad_ptr = &grad[0] if numel > 0 else NULL
-    cdef float* residual_ptr = NULL
-    cdef float* scores_ptr = &scores[0] if nblocks > 0 else NULL
-    cdef int32_t* candidates_ptr = &candidates[0] if nblocks > 0 else NULL
-    cdef float* candidate_scores_ptr = &candidate_scores[0] if nblocks > 0 else NULL
     cdef const int32_t* pool_ids = NULL
     cdef const float* pool_scores = NULL
     cdef Py_ssize_t pool_size = 0
     cdef uint32_t cutoff_bits = 0
-    cdef float threshold32 = <float>threshold, band32 = <float>band
-    if residual is not None and numel > 0:
-        residual_ptr = &residual[0]
-    if nblocks == 0:
-        return 0, 0, 0.0, 0
     num_threads = threads_for(numel, num_threads)
     nchunks = 1 if num_threads == 1 else num_threads * CHUNKS_PER_THREAD
     if nchunks > MAX_CHUNKS:
@@ -378,45 +369,111 @@ def sparsify_blocks(const float[::1] grad, float[::1] residual, float[::1] score
         nchunks = nblocks
     chunk_blocks = ((nblocks + nchunks - 1) // nchunks + 7) // 8 * 8  # eight-block groups keep their alignment
     nchunks = (nblocks + chunk_blocks - 1) // chunk_blocks
+    for chunk in prange(nchunks, schedule="dynamic", num_threads=num_threads):
+        first = chunk * chunk_blocks
+        last = first + chunk_blocks
+        if last > nblocks:
+            last = nblocks
+        score_chunk(grad_ptr, residual_ptr, scores_ptr, candidates_ptr, candidate_scores_ptr, first, last,
+                    numel, block, threshold32, band32, &above_counts[chunk], &candidate_counts[chunk],
+                    &nonfinite_counts[chunk])
+    for chunk in range(nchunks):
+        above += above_counts[chunk]
+        nonfinite += nonfinite_counts[chunk]
+        if candidate_counts[chunk] > 0 and chunk * chunk_blocks != ncandidates:
+            memmove(candidates_ptr + ncandidates, candidates_ptr + chunk * chunk_blocks,
+                    candidate_counts[chunk] * sizeof(int32_t))
+            memmove(candidate_scores_ptr + ncandidates, candidate_scores_ptr + chunk * chunk_blocks,
+                    candidate_counts[chunk] * sizeof(float))
+        ncandidates += candidate_counts[chunk]
+    above_out[0] = above
+    candidates_out[0] = ncandidates
+    nonfinite_out[0] = nonfinite
+    cutoff_out[0] = 0.0
+    if nonfinite > 0 or k == 0:
+        return 0
+    if ncandidates >= k:
+        pool_ids, pool_scores, pool_size = candidates_ptr, candidate_scores_ptr, ncandidates
+    else:  # the threshold was too high: select among all blocks
+        pool_ids, pool_scores, pool_size = NULL, scores_ptr, nblocks
+    cutoff_bits = histogram_select(pool_scores, pool_size, k, &take_equal)
+    written = emit_selected(pool_scores, pool_ids, pool_size, cutoff_bits, take_equal, k, out_indices)
+    num_threads = threads_for(k * block * RANDOM_ACCESS_COST, num_threads)
+    gather_chunks = num_threads * CHUNKS_PER_THREAD
+    if num_threads == 1:
+        gather_range(grad_ptr, residual_ptr, out_indices, out_values, 0, k, k, numel, block)
+    else:
+        for chunk in prange(gather_chunks, schedule="dynamic", num_threads=num_threads):
+            gather_range(grad_ptr, residual_ptr, out_indices, out_values,
+                         chunk_bound(chunk, gather_chunks, k), chunk_bound(chunk + 1, gather_chunks, k),
+                         k, numel, block)
+    cutoff_out[0] = bits_float(cutoff_bits)
+    return written
+
+
+def sparsify_blocks(const float[::1] grad, float[::1] residual, float[::1] scores,
+                    int32_t[::1] candidates, float[::1] candidate_scores, double threshold, double band, Py_ssize_t k,
+                    int32_t[::1] out_indices, float[::1] out_values, Py_ssize_t block,
+                    int num_threads):
+    """Score, select the exact top-k blocks and update the residual; see reference.sparsify_blocks."""
+    cdef Py_ssize_t numel = grad.shape[0]
+    cdef Py_ssize_t above = 0, ncandidates = 0, nonfinite = 0, written = 0
+    cdef float cutoff = 0.0
+    cdef float* residual_ptr = NULL
+    if numel == 0:
+        return 0, 0, 0.0, 0
+    if residual is not None:
+        residual_ptr = &residual[0]
     with nogil:
-        for chunk in prange(nchunks, schedule="dynamic", num_threads=num_threads):
-            first = chunk * chunk_blocks
-            last = first + chunk_blocks
-            if last > nblocks:
-                last = nblocks
-            score_chunk(grad_ptr, residual_ptr, scores_ptr, candidates_ptr, candidate_scores_ptr, first, last,
-                        numel, block, threshold32, band32, &above_counts[chunk], &candidate_counts[chunk],
-                        &nonfinite_counts[chunk])
-        for chunk in range(nchunks):
-            above += above_counts[chunk]
-            nonfinite += nonfinite_counts[chunk]
-            if candidate_counts[chunk] > 0 and chunk * chunk_blocks != ncandidates:
-                memmove(candidates_ptr + ncandidates, candidates_ptr + chunk * chunk_blocks,
-                        candidate_counts[chunk] * sizeof(int32_t))
-                memmove(candidate_scores_ptr + ncandidates, candidate_scores_ptr + chunk * chunk_blocks,
-                        candidate_counts[chunk] * sizeof(float))
-            ncandidates += candidate_counts[chunk]
+        written = sparsify_one(&grad[0], residual_ptr, &scores[0], &candidates[0], &candidate_scores[0], numel,
+                               <float>threshold, <float>band, k, &out_indices[0] if k > 0 else NULL,
+                               &out_values[0] if k > 0 else NULL, block, num_threads, &above, &ncandidates,
+                               &cutoff, &nonfinite)
     if nonfinite > 0 or k == 0:
         return above, ncandidates, 0.0, nonfinite
-    with nogil:
-        if ncandidates >= k:
-            pool_ids, pool_scores, pool_size = candidates_ptr, candidate_scores_ptr, ncandidates
-        else:  # the threshold was too high: select among all blocks
-            pool_ids, pool_scores, pool_size = NULL, scores_ptr, nblocks
-        cutoff_bits = histogram_select(pool_scores, pool_size, k, &take_equal)
-        written = emit_selected(pool_scores, pool_ids, pool_size, cutoff_bits, take_equal, k, &out_indices[0])
-        num_threads = threads_for(k * block * RANDOM_ACCESS_COST, num_threads)
-        gather_chunks = num_threads * CHUNKS_PER_THREAD
-        if num_threads == 1:
-            gather_range(grad_ptr, residual_ptr, &out_indices[0], &out_values[0], 0, k, k, numel, block)
-        else:
-            for chunk in prange(gather_chunks, schedule="dynamic", num_threads=num_threads):
-                gather_range(grad_ptr, residual_ptr, &out_indices[0], &out_values[0],
-                             chunk_bound(chunk, gather_chunks, k), chunk_bound(chunk + 1, gather_chunks, k),
-                             k, numel, block)
     if written != k:
         raise AssertionError(f"selected {written} blocks instead of {k}")
-    return above, ncandidates, bits_float(cutoff_bits), 0
+    return above, ncandidates, cutoff, 0
+
+
+def sparsify_segments(const float[::1] grad, float[::1] residual, float[::1] scores,
+                      int32_t[::1] candidates, float[::1] candidate_scores, const int64_t[::1] offsets,
+                      const double[::1] thresholds, const double[::1] bands, const int64_t[::1] ks,
+                      int32_t[::1] out_indices, float[::1] out_values, Py_ssize_t block, int num_threads,
+                      int64_t[::1] above, int64_t[::1] ncandidates, float[::1] cutoffs, int64_t[::1] nonfinite):
+    """sparsify_blocks on each segment of a flat buffer, in one call; see reference.sparsify_segments."""
+    cdef Py_ssize_t segments = ks.shape[0], s, numel, first_block = 0, first_kept = 0, written
+    cdef Py_ssize_t seg_above, seg_candidates, seg_nonfinite, bad = -1
+    cdef float seg_cutoff
+    cdef float* residual_ptr = NULL
+    if segments == 0 or offsets[segments] == 0:
+        return
+    with nogil:
+        for s in range(segments):
+            numel = offsets[s + 1] - offsets[s]
+            above[s] = 0
+            ncandidates[s] = 0
+            cutoffs[s] = 0.0
+            nonfinite[s] = 0
+            if numel <= 0:
+                continue
+            if residual is not None:
+                residual_ptr = &residual[0] + offsets[s]
+            written = sparsify_one(&grad[0] + offsets[s], residual_ptr, &scores[0] + first_block,
+                                   &candidates[0] + first_block, &candidate_scores[0] + first_block, numel,
+                                   <float>thresholds[s], <float>bands[s], ks[s], &out_indices[0] + first_kept,
+                                   &out_values[0] + first_kept * block, block, num_threads, &seg_above,
+                                   &seg_candidates, &seg_cutoff, &seg_nonfinite)
+            above[s] = seg_above
+            ncandidates[s] = seg_candidates
+            cutoffs[s] = seg_cutoff
+            nonfinite[s] = seg_nonfinite
+            if seg_nonfinite == 0 and written != ks[s] and bad < 0:
+                bad = s
+            first_block += (numel + block - 1) // block
+            first_kept += ks[s]
+    if bad >= 0:
+        raise AssertionError(f"segment {bad}: selected fewer blocks than its k = {ks[bad]}")
 
 
 cdef void scatter_range(float* dense, const int32_t* indices, const float* values, Py_ssize_t first,

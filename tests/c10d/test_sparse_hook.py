@@ -2,13 +2,14 @@
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.support.worlds import run_world
-from wanlink.errors import ConfigError
+from wanlink.errors import ConfigError, ProtocolError
 
 STEPS = 6  # enough for the stale result buffers (two per bucket) to be reused after the bucket rebuild
 
@@ -353,3 +354,92 @@ def test_hook_options_are_validated():
             BlockSparseState(**bad)
     with pytest.raises(ConfigError, match="sparse_optimizer"):
         BlockSparseState().sparse_grads()
+
+
+# -- the bucket codec alone (no world): one kernel call per bucket, frames as decode_blocks reads them ----
+CODEC_NUMELS = [10, 640, 64, 4096, 5, 2048]  # a DDP bucket's order: ragged tails in the middle of the buffer
+
+
+def _codec_messages(density, steps=3, world=2):
+    """Per step, every rank's message from its own codec, and the dense vectors each rank's frames stand for."""
+    from wanlink.c10d.sparse_hook import _BucketCodec
+    from wanlink.compress import decode_blocks
+
+    codecs = [_BucketCodec(CODEC_NUMELS, density) for _ in range(world)]
+    generator = torch.Generator().manual_seed(7)
+    total = sum(CODEC_NUMELS)
+    for _ in range(steps):
+        messages, sent = [], []
+        for codec in codecs:
+            message = codec.encode(torch.randn(total, generator=generator) * 3)
+            frames = message.numpy()
+            dense = []
+            for i, numel in enumerate(CODEC_NUMELS):  # each frame is a valid block-COO frame of its gradient
+                frame = decode_blocks(frames[codec.frame_offsets[i]:codec.frame_offsets[i + 1]])
+                assert frame.numel == numel and frame.indices.shape[0] == codec.sparsifiers[i].k
+                padded = torch.zeros(-(-numel // 16) * 16)
+                padded.view(-1, 16)[torch.from_numpy(frame.indices).long()] = torch.from_numpy(frame.values)
+                dense.append(padded[:numel])
+            messages.append(message)
+            sent.append(torch.cat(dense))
+        yield codecs[0], torch.cat(messages), sent
+
+
+@pytest.mark.parametrize("density", [0.01, 0.2, 1.0])
+def test_bucket_codec_averages_like_the_frames_it_sends(density):
+    out = torch.full((sum(CODEC_NUMELS),), 5.0)
+    nonzero = None
+    for codec, gathered, sent in _codec_messages(density):
+        expected = sum(sent) / len(sent)
+        nonzero = codec.average_into(gathered, 2, out, nonzero)  # clears only what the last call wrote
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+        offset = 0
+        for numel, (ids, values) in zip(CODEC_NUMELS, codec.average_sparse(gathered, 2)):
+            union = torch.zeros(-(-numel // 16), dtype=torch.bool)
+            for rank_sent in sent:
+                padded = torch.zeros(-(-numel // 16) * 16)
+                padded[:numel] = rank_sent[offset:offset + numel]
+                union |= padded.view(-1, 16).ne(0).any(1)
+            assert torch.equal(ids.long(), torch.nonzero(union).flatten())
+            padded = torch.zeros(-(-numel // 16) * 16)
+            padded[:numel] = expected[offset:offset + numel]
+            torch.testing.assert_close(values, padded.view(-1, 16)[ids.long()], rtol=0, atol=1e-6)
+            offset += numel
+
+
+def test_bucket_codec_masks_the_sent_blocks_of_the_velocity():
+    from wanlink.c10d.sparse_hook import _BucketCodec
+
+    codec = _BucketCodec(CODEC_NUMELS, 0.1)
+    velocity = torch.randn(sum(CODEC_NUMELS)) + 10
+    message = codec.encode(velocity.clone(), mask_sent=velocity)
+    sent = codec.average_into(torch.cat([message, message]), 2, torch.zeros_like(velocity))
+    assert torch.count_nonzero(velocity[torch.from_numpy(sent)]) == 0
+    assert torch.count_nonzero(velocity) == velocity.numel() - sent.size
+
+
+@pytest.mark.parametrize("corrupt, error", [
+    (lambda raw, codec: raw.__setitem__(codec.frame_offsets[1], ord("X")), "not a block frame"),
+    (lambda raw, codec: raw.__setitem__(slice(codec.frame_offsets[3] + 32, codec.frame_offsets[3] + 40),
+                                        np.array([9, 0, 0, 0, 2, 0, 0, 0], dtype=np.uint8)), "not increasing"),
+    (lambda raw, codec: raw[codec.frame_offsets[0]:codec.frame_offsets[1]].view(np.float32).__setitem__(
+        slice(-6, None), 1.0), "tail block has non-zero padding"),
+])
+def test_bucket_codec_rejects_a_malformed_frame(corrupt, error):
+    codec, gathered, _ = next(_codec_messages(1.0))
+    corrupt(gathered.numpy()[codec.message_size:], codec)  # rank 1's message
+    for decode in (codec.average_sparse, lambda g, w: codec.average_into(g, w, torch.zeros(sum(CODEC_NUMELS)))):
+        with pytest.raises(ProtocolError, match=error):
+            decode(gathered, 2)
+
+
+def test_bucket_codec_names_a_model_mismatch():
+    from wanlink.c10d.sparse_hook import _BucketCodec
+
+    codec, gathered, _ = next(_codec_messages(0.2))
+    other = _BucketCodec(CODEC_NUMELS[:-1] + [2064], 0.2)  # rank 1's last gradient is 16 elements larger
+    mine = gathered[:codec.message_size]
+    theirs = other.encode(torch.randn(int(other.element_offsets[-1])))
+    assert theirs.numel() == mine.numel()  # same k, so the same size: only the frames can tell
+    with pytest.raises(ConfigError, match="rank 1 sent a frame .* 2064 elements .* gradient 5 .* 2048"):
+        codec.average_sparse(torch.cat([mine, theirs]), 2)

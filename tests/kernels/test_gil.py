@@ -58,9 +58,14 @@ def kernel_calls(module, rng):
     every_block = np.arange(nblocks, dtype=np.int32)
     dense = np.zeros(NUMEL, dtype=np.float32)
     momentum = np.zeros(NUMEL, dtype=np.float32)
+    halves, thresholds = np.array([0, NUMEL // 2, NUMEL]), np.zeros(2)
+    segment_stats = [np.zeros(2, dtype) for dtype in (np.int64, np.int64, np.float32, np.int64)]
     return {
         "sparsify_blocks": lambda: module.sparsify_blocks(
             grad, residual, scores, candidates, candidate_scores, 0.0, 0.0, k, out_indices, out_values, BLOCK, 1),
+        "sparsify_segments": lambda: module.sparsify_segments(  # the same buffer as two tensors of half each
+            grad, residual, scores, candidates, candidate_scores, halves, thresholds, thresholds,
+            np.array([k // 2] * 2), out_indices, out_values, BLOCK, 1, *segment_stats),
         "scatter_add_blocks": lambda: module.scatter_add_blocks(dense, every_block, grad, BLOCK, 1),
         "first_invalid_block_index": lambda: module.first_invalid_block_index(every_block, nblocks),
         "sgd_step_blocks": lambda: module.sgd_step_blocks(
@@ -76,8 +81,8 @@ def count_during_calls(counter: Counter, call) -> int:
     return counter.count - before
 
 
-@pytest.mark.parametrize("kernel", ["sparsify_blocks", "scatter_add_blocks", "first_invalid_block_index",
-                                    "sgd_step_blocks"])
+@pytest.mark.parametrize("kernel", ["sparsify_blocks", "sparsify_segments", "scatter_add_blocks",
+                                    "first_invalid_block_index", "sgd_step_blocks"])
 def test_compiled_kernel_releases_the_gil(implementation, rng, kernel):
     if implementation is kernels.reference:
         pytest.skip("the NumPy reference makes no GIL promise (NumPy releases it in some loops, not others)")

@@ -143,7 +143,8 @@ def test_kernel_module_contract():
     for name in kernels.available():
         module = kernels.load(name)
         assert module.KERNEL_ABI == reference.KERNEL_ABI
-        for function in ("sparsify_blocks", "scatter_add_blocks", "first_invalid_block_index", "sgd_step_blocks"):
+        for function in ("sparsify_blocks", "sparsify_segments", "scatter_add_blocks", "first_invalid_block_index",
+                         "sgd_step_blocks"):
             assert callable(getattr(module, function))
     with pytest.raises(ConfigError):
         kernels.load("fortran")

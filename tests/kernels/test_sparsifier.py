@@ -187,4 +187,6 @@ def test_aligned_empty(count, dtype):
 
 
 def test_scores_buffer_is_aligned_for_streaming_stores():
-    assert BlockSparsifier(1_000_001, 0.01)._scores.ctypes.data % 64 == 0
+    sparsifier = BlockSparsifier(1_000_001, 0.01)
+    sparsifier.compress(np.zeros(1_000_001, dtype=np.float32))
+    assert sparsifier._scratch.scores.ctypes.data % 64 == 0

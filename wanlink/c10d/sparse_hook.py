@@ -7,11 +7,12 @@
 step from the measured compute time and the links' delivery rate (wanlink/c10d/auto_density.py): the same
 on every rank, switched between steps without losing error feedback.
 
-Per bucket, every gradient tensor is sparsified by its own BlockSparsifier (error feedback kept per
-bucket, in the state), the bucket's block-COO frames are exchanged among all ranks in one
-all-gather over the group's links, and the peers' blocks are scatter-added into the bucket and
-averaged. Each exchange runs under an EDF deadline (iteration, -bucket index): DDP's last bucket
-holds the model's first layers, which the next forward pass needs first, so they leave first.
+Per bucket, every gradient tensor is sparsified on its own blocks with its own k, threshold and
+residual (error feedback kept per bucket, in the state), all in one kernel call (BucketSparsifier);
+the bucket's block-COO frames are exchanged among all ranks in one all-gather over the group's
+links, and the peers' blocks are summed and averaged into the bucket. Each exchange runs under an
+EDF deadline (iteration, -bucket index): DDP's last bucket holds the model's first layers, which
+the next forward pass needs first, so they leave first.
 
 With ``staleness=1`` (StellaTrain's partial staleness) the optimizer at step t applies the
 aggregated update of step t-1: the hook returns the previous step's result and lets this step's
@@ -44,7 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from wanlink.c10d.auto_density import PROPOSAL_BYTES, AutoDensity, LinkDeliveryRate, group_links
 from wanlink.c10d.deadlines import deadline_scope
-from wanlink.compress import BlockSparsifier, decode_blocks, encode_blocks, encoded_size, scatter_add_
+from wanlink.compress import BlockSparsifier, BucketSparsifier, decode_blocks, encode_blocks, encoded_size
 from wanlink.errors import ConfigError, UnsupportedError
 
 BLOCK = 16
@@ -52,32 +53,64 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 class _BucketCodec:
-    """One bucket's sparsifiers and the layout of its message: one block-COO frame per gradient."""
+    """One bucket's sparsification and the layout of its message: one block-COO frame per gradient.
+
+    The whole bucket is sparsified in one kernel call (BucketSparsifier: per gradient its own blocks,
+    k, threshold and residual), and since every frame's size and header are fixed by its gradient's
+    numel and k, the message is a template whose id and value slots are filled by two copies;
+    decoding reads every rank's ids and values back through the same slots.
+    """
 
     def __init__(self, numels: list[int], density: float, trailer: int = 0):
         self.numels = numels
         self.density = density
         self.trailer = trailer  # bytes after the frames (density="auto": the sender's proposal)
-        self.sparsifiers = [BlockSparsifier(n, density, BLOCK) for n in numels]
-        sizes = [encoded_size(s.k, BLOCK) for s in self.sparsifiers]
+        self.sparsifier = BucketSparsifier(numels, density, BLOCK)
+        self.sparsifiers = self.sparsifier.parts
+        sizes = [encoded_size(s.k, BLOCK) for s in self.sparsifiers]  # multiples of 64: values stay aligned
         self.frame_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.message_size = int(self.frame_offsets[-1]) + trailer
-        self.element_offsets = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+        self.frames_size = int(self.frame_offsets[-1])
+        self.message_size = self.frames_size + trailer
+        self.element_offsets = self.sparsifier.offsets
         self._result_buffers: list[_ResultBuffer] = []
+        template = np.zeros(self.message_size, dtype=np.uint8)
+        id_slots, value_rows = [], []
+        for sparsifier, start in zip(self.sparsifiers, self.frame_offsets):
+            frame = template[start:start + encoded_size(sparsifier.k, BLOCK)]
+            encode_blocks(np.arange(sparsifier.k, dtype=np.int32), np.zeros((sparsifier.k, BLOCK), np.float32),
+                          sparsifier.numel, block=BLOCK, out=frame)
+            ids = decode_blocks(frame).indices
+            frame[32:32 + 4 * sparsifier.k] = 0
+            id_slots.append((ids.ctypes.data - template.ctypes.data) // 4 + np.arange(sparsifier.k))
+            value_rows.append((start + frame.shape[0] - 4 * BLOCK * sparsifier.k) // (4 * BLOCK)
+                              + np.arange(sparsifier.k))
+        self._template = torch.from_numpy(template)
+        self._id_slots, self._value_rows = np.concatenate(id_slots), np.concatenate(value_rows)
+        fixed = np.ones(self.frames_size, dtype=bool)  # headers and padding: the same in every valid message
+        fixed.view(np.int32)[self._id_slots] = False
+        fixed.reshape(-1, 4 * BLOCK)[self._value_rows] = False
+        self._fixed = np.flatnonzero(fixed)
+        kept = self.sparsifier.ks
+        self._part_of_kept = np.repeat(np.arange(len(numels)), kept)  # which gradient each kept block is of
+        self._block_base = np.repeat(self.sparsifier.block_offsets[:-1], kept)  # local id -> bucket-wide id
+        self._element_base = self.element_offsets[:-1]
+        self._nblocks = np.repeat(np.diff(self.sparsifier.block_offsets), kept)
+        self._segment_starts = self.sparsifier.kept_offsets[:-1][kept > 0]
+        tail = np.repeat(np.asarray(numels) - (np.diff(self.sparsifier.block_offsets) - 1) * BLOCK, kept)
+        self._ragged = tail < BLOCK  # a kept block of this gradient may be its partial last block
+        self._tail_padding = np.where(np.arange(BLOCK) >= tail[:, None], np.uint32(0xFFFFFFFF), np.uint32(0))
 
-    def encode(self, gradients: list[torch.Tensor], mask_sent: bool = False) -> torch.Tensor:
-        """One message with each gradient's kept blocks; ``mask_sent`` zeroes those blocks in the
-        inputs afterwards (momentum factor masking when the inputs are the hook's velocities)."""
-        message = torch.empty(self.message_size, dtype=torch.uint8)
-        raw = message.numpy()
-        for i, (sparsifier, grad) in enumerate(zip(self.sparsifiers, gradients)):
-            indices, values = sparsifier.compress(grad.detach().reshape(-1))
-            start, end = self.frame_offsets[i], self.frame_offsets[i + 1]
-            encode_blocks(indices.numpy(), values.numpy(), sparsifier.numel, block=BLOCK, out=raw[start:end])
-            if mask_sent:
-                rows, inside, tail = _blocks_of(grad.numpy(), indices.numpy())
-                rows[inside] = 0
-                tail[:] = 0
+    def encode(self, flat: torch.Tensor, mask_sent: torch.Tensor | None = None) -> torch.Tensor:
+        """One message with each gradient's kept blocks of the bucket-shaped ``flat``; ``mask_sent``
+        (bucket-shaped) gets those blocks zeroed afterwards (momentum factor masking of the velocities)."""
+        indices, values = self.sparsifier.compress(flat)
+        message = self._template.clone()
+        raw = message.numpy()[:self.frames_size]
+        raw.view(np.int32)[self._id_slots] = indices.numpy()
+        raw.view(np.float32).reshape(-1, BLOCK)[self._value_rows] = values.numpy()
+        if mask_sent is not None:
+            positions, valid = self._elements_of(self._part_of_kept, indices.numpy())
+            mask_sent.numpy()[positions[valid]] = 0
         return message
 
     def with_density(self, density: float) -> "_BucketCodec":
@@ -93,45 +126,66 @@ class _BucketCodec:
         row = gathered.numpy().reshape(world, self.message_size)[rank]
         return float(row[self.message_size - PROPOSAL_BYTES:].view(np.float64)[0])
 
-    def frames(self, gathered: torch.Tensor, world: int):
-        """Per gradient, the decoded frames of every rank: [[BlockFrame per rank] per gradient]."""
-        raw = gathered.numpy().reshape(world, self.message_size)
-        per_gradient = []
-        for i, numel in enumerate(self.numels):
-            start, end = self.frame_offsets[i], self.frame_offsets[i + 1]
-            rank_frames = [decode_blocks(raw[r, start:end]) for r in range(world)]
-            for frame in rank_frames:
-                if frame.numel != numel or frame.block != BLOCK:
-                    raise ConfigError(f"a rank sent a frame for {frame.numel} elements where this bucket has {numel}: "
-                                      "ranks disagree on the model or the density")
-            per_gradient.append(rank_frames)
-        return per_gradient
+    def _elements_of(self, parts: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For blocks ``ids`` of gradients ``parts``: their elements' positions in the bucket [n, BLOCK]
+        and which of them lie inside their gradient (a tail block's padding does not)."""
+        inside = ids.astype(np.int64)[:, None] * BLOCK + np.arange(BLOCK)
+        return self._element_base[parts][:, None] + inside, inside < np.asarray(self.numels)[parts][:, None]
+
+    def _union(self, gathered: torch.Tensor, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every rank's blocks, validated, summed per block and divided by ``world``: (gradient of each
+        block, its local id, its values [n, BLOCK]), ordered by gradient then id."""
+        raw = np.ascontiguousarray(gathered.numpy().reshape(world, self.message_size)[:, :self.frames_size])
+        ids = raw.view(np.int32)[:, self._id_slots]
+        values = raw.view(np.float32).reshape(world, -1, BLOCK)[:, self._value_rows]
+        self._check(raw, ids, values)
+        order, merged, firsts = _merge(list(ids + self._block_base))
+        parts = np.tile(self._part_of_kept, world)[order][firsts]
+        summed = np.add.reduceat(values.reshape(-1, BLOCK)[order], firsts, axis=0) if firsts.size else values[0, :0]
+        summed /= world
+        local = merged[firsts] - self.sparsifier.block_offsets[parts]
+        return parts, local, summed
+
+    def _check(self, raw: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
+        """What decode_blocks checks, for every rank's frames at once: headers and padding as in this
+        codec's template, ids in range and increasing per gradient, a partial last block's padding zero."""
+        changed = raw[:, self._fixed] != self._template.numpy()[self._fixed]
+        increasing = np.ones(ids.shape, dtype=bool)
+        increasing[:, 1:] = ids[:, 1:] > ids[:, :-1]
+        increasing[:, self._segment_starts] = True
+        tails = (ids == self._nblocks - 1) & self._ragged
+        bad = ~increasing | (ids < 0) | (ids >= self._nblocks)
+        if tails.any():
+            bad |= tails & (values.view(np.uint32) & self._tail_padding).any(axis=2)
+        if not changed.any() and not bad.any():
+            return
+        if changed.any():
+            rank, byte = np.argwhere(changed)[0]
+            frame = int(np.searchsorted(self.frame_offsets, self._fixed[byte], side="right") - 1)
+        else:
+            rank, kept = np.argwhere(bad)[0]
+            frame = int(self._part_of_kept[kept])
+        decoded = decode_blocks(raw[rank, self.frame_offsets[frame]:self.frame_offsets[frame + 1]])  # raises first
+        raise ConfigError(f"rank {rank} sent a frame of {decoded.indices.shape[0]} blocks of {decoded.numel} "
+                          f"elements where this bucket's gradient {frame} has {self.sparsifiers[frame].k} of "
+                          f"{self.numels[frame]}: ranks disagree on the model or the density")
 
     def average_into(self, gathered: torch.Tensor, world: int, out: torch.Tensor,
-                     nonzero: list[np.ndarray] | None = None) -> list[np.ndarray]:
+                     nonzero: np.ndarray | None = None) -> np.ndarray:
         """``out`` = every rank's blocks summed and divided by ``world``, zero elsewhere.
 
-        ``nonzero``: the only blocks of ``out`` that may hold values (what the previous call on
-        ``out`` returned), cleared block by block; None zeroes all of ``out``. Returns the blocks
-        written, per gradient.
+        ``nonzero``: the only elements of ``out`` that may hold values (what the previous call on
+        ``out`` returned), cleared; None zeroes all of ``out``. Returns the elements written.
         """
+        parts, local, summed = self._union(gathered, world)
+        flat = out.numpy()
         if nonzero is None:
             out.zero_()
-        flat = out.numpy()
-        written = []
-        for i, rank_frames in enumerate(self.frames(gathered, world)):
-            segment = flat[self.element_offsets[i]:self.element_offsets[i + 1]]
-            if nonzero is not None:
-                rows, inside, tail = _blocks_of(segment, nonzero[i])
-                rows[inside] = 0
-                tail[:] = 0
-            scatter_add_(segment, [f.indices for f in rank_frames], [f.values for f in rank_frames], block=BLOCK)
-            _order, ids, firsts = _merge([f.indices for f in rank_frames])
-            blocks = ids[firsts]
-            rows, inside, tail = _blocks_of(segment, blocks)
-            rows[inside] /= world
-            tail /= world
-            written.append(blocks)
+        else:
+            flat[nonzero] = 0
+        positions, valid = self._elements_of(parts, local)
+        written = positions[valid]
+        flat[written] = summed[valid]
         return written
 
     def next_result(self) -> "_ResultBuffer":
@@ -143,14 +197,11 @@ class _BucketCodec:
 
     def average_sparse(self, gathered: torch.Tensor, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per gradient, the union of the ranks' blocks with their values summed and averaged."""
-        results = []
-        for rank_frames in self.frames(gathered, world):
-            order, ids, firsts = _merge([f.indices for f in rank_frames])
-            values = np.concatenate([f.values.reshape(-1, BLOCK) for f in rank_frames])
-            summed = np.add.reduceat(values[order], firsts, axis=0) if firsts.size else values[:0].copy()
-            summed /= world
-            results.append((torch.from_numpy(ids[firsts].astype(np.int32)), torch.from_numpy(summed)))
-        return results
+        parts, local, summed = self._union(gathered, world)
+        bounds = np.searchsorted(parts, np.arange(len(self.numels) + 1))
+        ids = torch.from_numpy(local.astype(np.int32))
+        values = torch.from_numpy(summed)
+        return [(ids[a:b], values[a:b]) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
 
 
 class _ResultBuffer:
@@ -158,7 +209,7 @@ class _ResultBuffer:
 
     def __init__(self, numel: int):
         self.tensor = torch.zeros(numel, dtype=torch.float32)
-        self.nonzero: list[np.ndarray] | None = None
+        self.nonzero: np.ndarray | None = None
 
     def fill(self, codec: _BucketCodec, gathered: torch.Tensor, world: int) -> torch.Tensor:
         self.nonzero = codec.average_into(gathered, world, self.tensor, self.nonzero)
@@ -174,16 +225,6 @@ def _merge(index_lists: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.nd
     starts = np.ones(ids.shape[0], dtype=bool)
     starts[1:] = ids[1:] != ids[:-1]
     return order, ids, np.flatnonzero(starts)
-
-
-def _blocks_of(segment: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For sorted block ids of a flat segment: (its whole blocks as rows, the ids among them, the
-    partial last block's elements if it is listed, else an empty slice)."""
-    whole = segment.shape[0] // BLOCK
-    rows = segment[:whole * BLOCK].reshape(whole, BLOCK)
-    listed_tail = blocks.shape[0] > 0 and blocks[-1] >= whole
-    tail = segment[whole * BLOCK:] if listed_tail else segment[:0]
-    return rows, (blocks[:-1] if listed_tail else blocks), tail
 
 
 class BlockSparseState:
@@ -230,6 +271,7 @@ class BlockSparseState:
         self._step_to_apply: int | None = None
         # momentum correction: each parameter's local velocity, flat (parameter -> tensor)
         self._velocity: dict[torch.Tensor, torch.Tensor] = {}
+        self._bucket_velocity: dict[int, tuple[tuple, torch.Tensor]] = {}  # bucket -> (its parameters' ids, velocity)
         self._loaded_velocities: list[torch.Tensor] = []
         self._param_ids: set[int] = set()  # every parameter the hook has seen, for check_optimizer
         self._checked = weakref.WeakSet()  # optimizers found compatible
@@ -238,8 +280,8 @@ class BlockSparseState:
         _watch(self)
 
     # -- used by the hook ------------------------------------------------------------------------
-    def codec_for(self, index: int, gradients: list[torch.Tensor], params: list) -> _BucketCodec:
-        numels = [g.numel() for g in gradients]
+    def codec_for(self, index: int, params: list) -> _BucketCodec:
+        numels = [param.numel() for param in params]
         codec = self._codecs.get(index)
         if codec is None or codec.numels != numels:  # first use, or DDP rebuilt its buckets
             codec = _BucketCodec(numels, self.density, PROPOSAL_BYTES if self.auto else 0)
@@ -268,25 +310,29 @@ class BlockSparseState:
         """The density of the current step; with density="auto" also its changes and the controller's inputs."""
         return self.auto.stats() if self.auto else {"density": self.density, "changes": []}
 
-    def velocities_for(self, params: list, buffer: torch.Tensor, write_back: bool) -> list[torch.Tensor]:
-        """Momentum correction: per parameter u = momentum x u + g, with g read from the bucket
-        ``buffer`` (parameters back to back); ``write_back`` puts u into the buffer (dense steps:
+    def velocities_for(self, index: int, params: list, buffer: torch.Tensor, write_back: bool) -> torch.Tensor:
+        """Momentum correction: u = momentum x u + g for the bucket's parameters at once, with g the
+        bucket ``buffer`` (parameters back to back); returns u, laid out like the buffer (each
+        parameter's velocity is a view of it). ``write_back`` puts u into the buffer (dense steps:
         their average is then the averaged velocity)."""
-        velocities = []
-        offset = 0
-        for param in params:
-            numel = param.numel()
-            velocity = self._velocity.get(param)
-            if velocity is None:
-                velocity = self._loaded_velocities.pop(0) if self._loaded_velocities else torch.zeros(numel)
-                self._velocity[param] = velocity
-            gradient = buffer[offset:offset + numel]
-            velocity.mul_(self.momentum).add_(gradient)
-            if write_back:
-                gradient.copy_(velocity)
-            velocities.append(velocity)
-            offset += numel
-        return velocities
+        layout, velocity = self._bucket_velocity.get(index, ((), None))
+        if layout != tuple(map(id, params)):  # first use, or DDP rebuilt its buckets: lay the velocities out anew
+            velocity = torch.zeros(buffer.numel())
+            offset = 0
+            for param in params:
+                view = velocity[offset:offset + param.numel()]
+                previous = self._velocity.get(param)
+                if previous is None and self._loaded_velocities:
+                    previous = self._loaded_velocities.pop(0)
+                if previous is not None:
+                    view.copy_(previous)
+                self._velocity[param] = view
+                offset += param.numel()
+            self._bucket_velocity[index] = (tuple(map(id, params)), velocity)
+        velocity.mul_(self.momentum).add_(buffer)
+        if write_back:
+            buffer.copy_(velocity)
+        return velocity
 
     def velocities(self) -> list[torch.Tensor]:
         """The hook's local velocities (momentum correction), one flat tensor per parameter."""
@@ -370,6 +416,7 @@ class BlockSparseState:
         self.iteration = int(state["iteration"])
         # velocities go to parameters in the order the hook first meets them, as when they were saved
         self._velocity = {}
+        self._bucket_velocity = {}
         self._loaded_velocities = [v.clone() for v in state.get("velocities", [])]
         self._codecs = {}
         for index, sparsifier_states in state["buckets"].items():
@@ -449,17 +496,17 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     params = list(bucket.parameters())
     state._param_ids.update(map(id, params))
     dense = iteration < state.warmup_steps
-    velocities = state.velocities_for(params, buffer, write_back=dense) if state.momentum else None
+    velocity = state.velocities_for(index, params, buffer, write_back=dense) if state.momentum else None
     if dense:
         state.apply_step(None)
         return _dense_average(state, buffer)
 
-    gradients = velocities or bucket.gradients()
     if state.auto:
         state.begin_auto_step(iteration, params)
-    codec = state.codec_for(index, gradients, params)
+    codec = state.codec_for(index, params)
     # momentum factor masking: a block's velocity restarts once it is sent (not at density 1: that is dense SGD)
-    message = codec.encode(gradients, mask_sent=velocities is not None and state.density < 1.0)
+    message = codec.encode(buffer if velocity is None else velocity,
+                           mask_sent=velocity if velocity is not None and state.density < 1.0 else None)
     if state.auto:
         message[codec.message_size - PROPOSAL_BYTES:].numpy().view(np.float64)[0] = state.auto.proposal()
         started = state.auto.exchange_started(iteration)

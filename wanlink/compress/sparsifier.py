@@ -22,6 +22,19 @@ def target_blocks(density: float, nblocks: int) -> int:
     return min(nblocks, int(k))
 
 
+class _Scratch:
+    """A kernel call's working space: block scores, candidates, and the kept ids and values."""
+
+    def __init__(self, nblocks: int, k: int, block: int):
+        self.scores = aligned_empty(nblocks, np.float32)
+        self.candidates = np.empty(nblocks, dtype=np.int32)
+        self.candidate_scores = np.empty(nblocks, dtype=np.float32)
+        self.indices = torch.empty(k, dtype=torch.int32)
+        self.values = torch.empty((k, block), dtype=torch.float32)
+        self.indices_array = self.indices.numpy()
+        self.values_array = self.values.numpy().reshape(-1)
+
+
 class BlockSparsifier:
     """Keeps exactly k = ceil(density x blocks) blocks of ``block`` floats per call, with error feedback.
 
@@ -33,7 +46,10 @@ class BlockSparsifier:
     """
 
     def __init__(self, numel: int, density: float, block: int = 16, *, error_feedback: bool = True,
-                 increase_fraction: float = 0.01, decrease_factor: float = 0.95):
+                 increase_fraction: float = 0.01, decrease_factor: float = 0.95,
+                 residual: torch.Tensor | None = None):
+        """``residual``: where to keep the residual (a float32 tensor of ``numel`` elements, zeroed
+        here), e.g. a view of a bucket's flat residual (BucketSparsifier); None allocates one."""
         if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 1:
             raise ConfigError(f"numel must be a positive int, got {numel!r}")
         self.block = check_block_size(block)
@@ -57,15 +73,16 @@ class BlockSparsifier:
         self.last_above = 0
         self.last_candidates = 0
         self.last_cutoff = 0.0
-        self.residual = torch.zeros(self.numel, dtype=torch.float32) if self.error_feedback else None
+        if residual is not None:
+            if (not self.error_feedback or not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32
+                    or residual.numel() != self.numel or not residual.is_contiguous()):
+                raise ConfigError(f"residual must be a contiguous float32 tensor of {self.numel} elements, "
+                                  "with error_feedback=True")
+            self.residual = residual.reshape(-1).zero_()
+        else:
+            self.residual = torch.zeros(self.numel, dtype=torch.float32) if self.error_feedback else None
         self._residual_array = self.residual.numpy() if self.error_feedback else None
-        self._scores = aligned_empty(self.nblocks, np.float32)
-        self._candidates = np.empty(self.nblocks, dtype=np.int32)
-        self._candidate_scores = np.empty(self.nblocks, dtype=np.float32)
-        self._indices = torch.empty(self.k, dtype=torch.int32)
-        self._values = torch.empty((self.k, self.block), dtype=torch.float32)
-        self._indices_array = self._indices.numpy()
-        self._values_array = self._values.numpy().reshape(-1)
+        self._scratch = None  # made at the first compress(): a BucketSparsifier's parts never need it
         self._staging = None
 
     def __repr__(self) -> str:
@@ -93,11 +110,13 @@ class BlockSparsifier:
     def compress(self, grad) -> tuple[torch.Tensor, torch.Tensor]:
         """Select the k best blocks of residual + grad; returns (block ids int32 [k], values float32 [k, block])."""
         grad_array = self._grad_array(grad)
-        band = self.threshold * self.decrease_factor
+        if self._scratch is None:
+            self._scratch = _Scratch(self.nblocks, self.k, self.block)
+        scratch = self._scratch
         above, candidates, cutoff, nonfinite = kernels.active().sparsify_blocks(
-            grad_array, self._residual_array, self._scores, self._candidates, self._candidate_scores,
-            self.threshold, band, self.k,
-            self._indices_array, self._values_array, self.block, kernels.num_threads())
+            grad_array, self._residual_array, scratch.scores, scratch.candidates, scratch.candidate_scores,
+            self.threshold, self.threshold * self.decrease_factor, self.k,
+            scratch.indices_array, scratch.values_array, self.block, kernels.num_threads())
         self.last_above, self.last_candidates = above, candidates
         if nonfinite:
             if self.residual is not None:
@@ -107,7 +126,7 @@ class BlockSparsifier:
                 "plus residual; the residual was reset to zero")
         self.last_cutoff = cutoff
         self._tune_threshold(above, cutoff)
-        return self._indices, self._values
+        return scratch.indices, scratch.values
 
     def _tune_threshold(self, above: int, cutoff: float) -> None:
         """AIMD: raise the threshold additively when too many blocks pass it, cut it when too few.
@@ -157,3 +176,63 @@ class BlockSparsifier:
                 raise ConfigError(f"state_dict residual must be a tensor of {self.numel} elements")
             self.residual.copy_(residual.reshape(-1))
         self.threshold = threshold
+
+
+class BucketSparsifier:
+    """One BlockSparsifier per tensor of a flat buffer (a DDP bucket: tensors back to back), in one kernel call.
+
+    ``compress(flat)`` gives each tensor exactly what its own ``BlockSparsifier.compress`` would: its
+    own blocks (a tensor's tail block never takes elements of the next), its k, AIMD threshold and
+    error-feedback residual, and the same stats. The residuals are views of one flat buffer
+    (``residual``); ``parts`` are the per-tensor sparsifiers (for their state, thresholds and stats).
+    """
+
+    def __init__(self, numels: list[int], density: float, block: int = 16):
+        if not numels:
+            raise ConfigError("a BucketSparsifier needs at least one tensor")
+        self.block = check_block_size(block)
+        self.offsets = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+        self.residual = torch.zeros(int(self.offsets[-1]), dtype=torch.float32)
+        self.parts = [BlockSparsifier(int(numel), density, block, residual=self.residual[start:end])
+                      for numel, start, end in zip(numels, self.offsets[:-1], self.offsets[1:])]
+        self.numels = np.array([part.numel for part in self.parts], dtype=np.int64)
+        self.ks = np.array([part.k for part in self.parts], dtype=np.int64)
+        self.kept_offsets = np.concatenate([[0], np.cumsum(self.ks)]).astype(np.int64)  # where each part's ids start
+        self.k = int(self.kept_offsets[-1])
+        nblocks = np.array([part.nblocks for part in self.parts], dtype=np.int64)
+        self.block_offsets = np.concatenate([[0], np.cumsum(nblocks)]).astype(np.int64)
+        self._decrease = np.array([part.decrease_factor for part in self.parts])
+        self._scratch = _Scratch(int(self.block_offsets[-1]), max(self.k, 1), self.block)
+        self._stats = [np.empty(len(self.parts), dtype=np.int64) for _ in range(3)]
+        self._cutoffs = np.empty(len(self.parts), dtype=np.float32)
+
+    def compress(self, flat) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sparsify every tensor of ``flat`` (float32, the tensors back to back): (ids int32 [k], values
+        float32 [k, block]), part i's local ids ascending at [kept_offsets[i], kept_offsets[i + 1]).
+        Views of buffers the next call reuses."""
+        if isinstance(flat, torch.Tensor) and (flat.dtype != torch.float32 or flat.device.type != "cpu"):
+            raise UnsupportedError(f"a bucket's gradients must be float32 on the CPU, got {flat.dtype} on "
+                                   f"{flat.device}")
+        if isinstance(flat, torch.Tensor) and flat.numel() != self.offsets[-1]:
+            raise ConfigError(f"the flat buffer has {flat.numel()} elements; the tensors hold {int(self.offsets[-1])}")
+        grad = flat_view(flat, np.float32, "gradient")
+        thresholds = np.array([part.threshold for part in self.parts])
+        scratch, (above, candidates, nonfinite) = self._scratch, self._stats
+        kernels.active().sparsify_segments(
+            grad, self.residual.numpy(), scratch.scores, scratch.candidates, scratch.candidate_scores, self.offsets,
+            thresholds, thresholds * self._decrease, self.ks, scratch.indices_array, scratch.values_array,
+            self.block, kernels.num_threads(), above, candidates, self._cutoffs, nonfinite)
+        for part, part_above, part_candidates, cutoff, part_nonfinite in zip(
+                self.parts, above.tolist(), candidates.tolist(), self._cutoffs.tolist(), nonfinite.tolist()):
+            part.last_above, part.last_candidates = part_above, part_candidates
+            if not part_nonfinite:
+                part.last_cutoff = cutoff
+                part._tune_threshold(part_above, cutoff)
+        bad = np.flatnonzero(nonfinite)
+        if bad.size:
+            for i in bad:
+                self.parts[i].residual.zero_()
+            raise NonFiniteGradientError(
+                f"tensors {bad.tolist()} of the bucket (of {len(self.parts)}) hold NaN/Inf (or overflow float32) in "
+                f"{int(nonfinite.sum())} blocks of gradient plus residual; their residuals were reset to zero")
+        return scratch.indices[:self.k], scratch.values[:self.k]

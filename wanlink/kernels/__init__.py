@@ -5,7 +5,8 @@ imports and matches this package's kernel ABI; otherwise, or when ``WANLINK_PURE
 the NumPy twin ``wanlink.kernels.reference`` is used. Both expose the same functions with the same
 results:
 
-``sparsify_blocks``, ``scatter_add_blocks``, ``first_invalid_block_index``, ``sgd_step_blocks``.
+``sparsify_blocks``, ``sparsify_segments``, ``scatter_add_blocks``, ``first_invalid_block_index``,
+``sgd_step_blocks``.
 
 Callers go through :func:`active` (the public layers in ``wanlink.compress`` and ``wanlink.optim``
 do), so tests can switch implementations with :func:`use`.

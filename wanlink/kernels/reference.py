@@ -10,7 +10,7 @@ order both implementations follow so the float32 scores, and hence the selection
 """
 import numpy as np
 
-KERNEL_ABI = 3
+KERNEL_ABI = 4
 MAX_BLOCK_SIZE = 1024
 
 _LOW_32_BITS = np.uint64(0xFFFFFFFF)
@@ -82,6 +82,29 @@ def sparsify_blocks(grad, residual, scores, candidates, candidate_scores, thresh
         element_ids = (chosen.astype(np.int64)[:, None] * block + np.arange(block)).reshape(-1)
         residual[element_ids[element_ids < numel]] = 0.0
     return above, int(candidate_ids.shape[0]), float(scores[chosen].min()), 0
+
+
+def sparsify_segments(grad, residual, scores, candidates, candidate_scores, offsets, thresholds, bands, ks,
+                      out_indices, out_values, block, num_threads, above, ncandidates, cutoffs, nonfinite):
+    """sparsify_blocks on each segment grad[offsets[s]:offsets[s + 1]] of a flat buffer, in one call.
+
+    Segment s is a tensor of its own: its blocks start at offsets[s] (its tail block is zero-padded,
+    never shared with the next segment), with threshold thresholds[s], band bands[s] and k = ks[s].
+    Its scores and candidates go to scores/candidates/candidate_scores from its first block's
+    position among all segments' blocks, its kept ids (local, ascending) and values to
+    out_indices/out_values from sum(ks[:s]) blocks on; above/ncandidates/cutoffs/nonfinite[s] get its
+    stats. Each segment's results are exactly sparsify_blocks' on it alone.
+    """
+    first_block = first_kept = 0
+    for s in range(ks.shape[0]):
+        start, end, k = int(offsets[s]), int(offsets[s + 1]), int(ks[s])
+        last_block = first_block - (-(end - start) // block)
+        above[s], ncandidates[s], cutoffs[s], nonfinite[s] = sparsify_blocks(
+            grad[start:end], None if residual is None else residual[start:end], scores[first_block:last_block],
+            candidates[first_block:last_block], candidate_scores[first_block:last_block], thresholds[s], bands[s], k,
+            out_indices[first_kept:], out_values[first_kept * block:], block, num_threads)
+        first_block = last_block
+        first_kept += k
 
 
 def scatter_add_blocks(dense, indices, values, block, num_threads):
