@@ -94,10 +94,13 @@ def worker(args) -> None:
         else:
             optimizer.step()
         end = time.monotonic()
-        estimate = state.density_stats().get("bandwidth_Bps") if state is not None else None
+        density_stats = state.density_stats() if state is not None else {}
+        estimate = density_stats.get("bandwidth_Bps")
+        meters = {name: 8 * rate / 1e6 for name, rate in density_stats.get("meters_Bps", {}).items()}
         records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
                         "density": None if state is None else state.density,
-                        "estimate_mbit": None if estimate is None else 8 * estimate / 1e6})
+                        "estimate_mbit": None if estimate is None else 8 * estimate / 1e6,
+                        **({"meters_mbit": meters} if meters else {})})
         watchdog.tick()
     watchdog.tick()  # the teardown's own budget
     if state is not None and state.flush():

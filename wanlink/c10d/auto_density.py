@@ -221,4 +221,5 @@ class AutoDensity:
         return {"density": self.density, "changes": list(self.changes), "bandwidth_source": source,
                 "bandwidth_Bps": None if decision is None else decision.bandwidth_Bps,
                 "compute_s": None if decision is None else decision.compute_s,
+                "meters_Bps": dict(self.link_rate.latest) if self.link_rate is not None else {},
                 "staleness_needed": bool(decision and decision.staleness_needed)}

@@ -210,3 +210,55 @@ class WireTime:
             self.acked_bytes += nbytes
             self.messages += 1
         return self.acked_bytes, self.wire_s, self.messages
+
+
+class KernelAcks:
+    """When the peer's kernel acknowledged each message's last byte, from polled TCP counters (pure:
+    the caller reads the counters and gives the times).
+
+    The peer's application acknowledges a message once its event loop has read it and its ack
+    frame has crossed back, queued behind whatever that side is sending (in a gradient exchange,
+    its own chunks): tens of milliseconds late on a loaded machine, which ``WireTime`` reads as a
+    slow link. The kernel acknowledges data as it arrives. So the sender notes, per stream a
+    message's chunk went into, the stream's kernel position after it (``written``: bytes given to
+    the kernel), and once every chunk is written (``all_written``) polls the acknowledged bytes of
+    the ``awaited`` streams (``poll``): the first poll that finds every position acknowledged ends
+    the message. A poll comes after the ack it sees (by up to its interval and the loop's delay), so
+    the end errs late and the rate low, never high. ``finish`` (the application's ack came) gives
+    the kernel's end, or the caller's time if no poll saw one (a stream died, or no poll ran).
+    """
+
+    def __init__(self):
+        self._open: dict = {}  # message key -> [{stream: position}, every chunk written, end or None]
+
+    def written(self, key, stream, position: int) -> None:
+        """A chunk of message ``key`` is in ``stream``'s kernel buffer, which has been given ``position`` bytes."""
+        targets = self._open.setdefault(key, [{}, False, None])[0]
+        targets[stream] = max(position, targets.get(stream, 0))
+
+    def all_written(self, key) -> None:
+        """Every chunk of ``key`` is in a kernel buffer: polls may end it from now on."""
+        if key in self._open:
+            self._open[key][1] = True
+
+    def awaited(self) -> set:
+        """The streams whose acknowledged bytes the next poll needs (empty: no poll needed)."""
+        return {stream for targets, ready, end in self._open.values() if ready and end is None for stream in targets}
+
+    def poll(self, acked: dict, t: float) -> None:
+        """``acked``: per stream, the bytes its peer's kernel acknowledged so far (a stream missing,
+        or None, has acknowledged nothing more); ends every written message now covered."""
+        for entry in self._open.values():
+            targets, ready, end = entry
+            if ready and end is None and all((acked.get(stream) or 0) >= position
+                                             for stream, position in targets.items()):
+                entry[2] = t
+
+    def finish(self, key, t: float) -> float:
+        """Message ``key`` was acknowledged by the peer's application at ``t``: when its last byte
+        was acknowledged by the peer's kernel, as far as the polls saw (else ``t``). Forgets it."""
+        entry = self._open.pop(key, None)
+        return t if entry is None or entry[2] is None else min(entry[2], t)
+
+    def __len__(self) -> int:
+        return len(self._open)
