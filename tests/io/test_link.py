@@ -689,3 +689,13 @@ async def test_a_messages_wire_time_ends_at_its_kernel_ack_not_the_peers_late_ac
     acked, wire, messages = pair.client.wire.reading()
     assert (acked, messages) == (100_000, 1) and wire < 0.4  # the kernel's came within milliseconds
     assert len(pair.client.kernel_acks) == 0  # finished messages are forgotten
+
+
+async def test_probe_messages_are_timed_apart_from_the_applications(pair):
+    """What is sent on PROBE_DISCARD_TAG (density="auto"'s probe bursts) goes to Link.probe_wire."""
+    from wanlink.proto.reassembly import PROBE_DISCARD_TAG
+
+    await pair.client.send(b"p" * 50_000, tag=PROBE_DISCARD_TAG, deadline=float("inf"))
+    await asyncio.gather(pair.client.send(b"x" * 1000, tag=3), pair.accepted.recv_into(bytearray(1000), tag=3))
+    assert pair.client.probe_wire.reading()[::2] == (50_000, 1)
+    assert pair.client.wire.reading()[::2] == (1000, 1)

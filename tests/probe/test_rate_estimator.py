@@ -218,3 +218,17 @@ def test_kernel_acks_fall_back_to_the_applications_ack_and_never_end_after_it():
     acks.all_written("n")
     acks.poll({0: 100}, 8.0)
     assert acks.finish("n", 7.5) == 7.5  # the caller's time if it is the earlier
+
+
+# -- ProbeSchedule: probe bursts that grow with the rate they show -------------------------------
+
+def test_probe_schedule_sizes_each_probe_from_the_rate_seen_at_most_every_so_often():
+    from wanlink.probe.rate import ProbeSchedule
+
+    probes = ProbeSchedule(every_s=1.0, probe_s=0.02, growth=2.0, min_bytes=64_000, max_bytes=4_000_000)
+    assert probes.due(0.0, None) == 64_000  # nothing measured: the smallest
+    assert probes.due(0.9, 10e6) is None  # under every_s since the last
+    assert probes.due(1.0, 10e6) == 400_000  # 2 x 20 ms at 10 MB/s: takes 40 ms if the path is that fast
+    assert probes.due(2.5, 1e6) == 64_000 and probes.due(3.5, 1e9) == 4_000_000  # clamped
+    with pytest.raises(ConfigError, match="growth >= 1"):
+        ProbeSchedule(growth=0.5)

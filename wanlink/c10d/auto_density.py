@@ -28,13 +28,15 @@ later, when every rank has it whatever the staleness. So every rank switches at 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
 from wanlink.errors import ConfigError
-from wanlink.probe.rate import BurstRateMeter
+from wanlink.probe.rate import BurstRateMeter, ProbeSchedule
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG
 from wanlink.sched.density import DensityController, DensityDecision
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ logger = logging.getLogger(__name__)
 PROPOSAL_BYTES = 8  # float64 after each bucket's frames
 LAG = 2  # a proposal made at step t applies from step t + LAG
 WIRE_MIN_S = 0.02  # wire time a sample of the messages' meter needs (a step at 0.1 % has a few ms)
+PROBE_MIN_S = 0.001  # every probe that completed is a sample
+PROBE_HOLD_S = 2.0  # a probe's sample stands this long (the next one is due after ProbeSchedule.every_s)
 
 
 class LinkDeliveryRate:
@@ -54,15 +58,18 @@ class LinkDeliveryRate:
     then falls back to its exchange times).
     """
 
-    def __init__(self, links: Callable[[], list], **meter_options):
+    def __init__(self, links: Callable[[], list], *, probes: ProbeSchedule | None = None, **meter_options):
         self.links = links
         self.meter = BurstRateMeter(**meter_options)  # busy periods, one RTT off each
         self.wire_meter = BurstRateMeter(min_busy_s=WIRE_MIN_S)  # messages' time on the wire (RTT off already)
+        self.probe_meter = BurstRateMeter(min_busy_s=PROBE_MIN_S)  # the probes' time on the wire
+        self.probes = probes if probes is not None else ProbeSchedule()
         self.latest: dict[str, float] = {}  # each meter's latest sample
+        self._probe_t = -math.inf  # when the latest probe sample was taken
         self.available = False
         self.rtt_s = 0.0  # the links' minimum RTT at the last call: the controller's latency
 
-    def __call__(self, _now: float) -> float | None:
+    def __call__(self, now: float) -> float | None:
         links = self.links()
         self.available = bool(links)
         if not links:
@@ -72,11 +79,47 @@ class LinkDeliveryRate:
         busy = self.meter.update([(id(link), *link.sending.reading()) for link in links], self.rtt_s)
         wire = self.wire_meter.update([(id(link), *link.wire.reading(rtt or self.rtt_s))
                                        for link, rtt in zip(links, rtts)], 0.0)
-        if busy is None and wire is None:
+        probe = self.probe_meter.update([(id(link), *link.probe_wire.reading(rtt or self.rtt_s))
+                                         for link, rtt in zip(links, rtts)], 0.0)
+        if probe is not None:
+            self._probe_t = now
+        elif now - self._probe_t > PROBE_HOLD_S:
+            self.latest.pop("probe", None)
+        if busy is None and wire is None and probe is None:
             return None
-        # both err low (see wanlink.probe.rate.WireTime): the higher one is the nearer
-        self.latest.update((name, rate) for name, rate in (("busy", busy), ("wire", wire)) if rate is not None)
+        # all err low (see wanlink.probe.rate.WireTime, ProbeSchedule): the highest is the nearest
+        self.latest.update((name, rate) for name, rate in (("busy", busy), ("wire", wire), ("probe", probe))
+                           if rate is not None)
         return max(self.latest.values())
+
+    def probe(self, now: float) -> None:
+        """The links are idle (any thread): send each a probe burst if one is due (``ProbeSchedule``),
+        on ``PROBE_DISCARD_TAG`` (the peer's transport drops it) with the latest EDF deadline."""
+        links = self.links()
+        size = self.probes.due(now, max(self.latest.values(), default=None)) if links else None
+        if size is None:
+            return
+        payload = _probe_payload(self.probes.max_bytes)[:size]
+        for link in links:
+            link.loop.call_soon_threadsafe(_send_probe, link, payload)
+
+
+_PROBE_PAYLOADS: dict[int, memoryview] = {}
+
+
+def _probe_payload(nbytes: int) -> memoryview:
+    """A zero buffer of ``nbytes`` (allocated once per size), which probes only read."""
+    if nbytes not in _PROBE_PAYLOADS:
+        _PROBE_PAYLOADS[nbytes] = memoryview(bytes(nbytes))
+    return _PROBE_PAYLOADS[nbytes]
+
+
+def _send_probe(link, payload: memoryview) -> None:
+    """On ``link``'s loop: start the probe; its failure is the link's, reported by its next operation."""
+    if link.closed:
+        return
+    task = link.loop.create_task(link.send(payload, tag=PROBE_DISCARD_TAG, deadline=math.inf))
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def group_links(group) -> list:
@@ -167,6 +210,9 @@ class AutoDensity:
             self._recent_durations.append(duration)
             done[3] = max(done[3], now)
             self._agreed[step] = rank0_proposal
+            idle = all(self._done.get(s, (0,))[0] == launched for s, launched in self._launched.items())
+        if idle and self.bandwidth is None and self.link_rate is not None and self.link_rate.available:
+            self.link_rate.probe(now)  # nothing of ours in flight until the next step's first bucket
 
     # -- internals ---------------------------------------------------------------------------------
     def _observe(self, step: int, now: float) -> None:

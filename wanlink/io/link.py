@@ -132,6 +132,7 @@ class Link:
         self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
         self.sending = SendingTime()  # busy periods of what we send (density="auto" reads it)
         self.wire = WireTime()  # and each message's time on the wire, to its last byte's kernel ack
+        self.probe_wire = WireTime()  # the same for what we send on PROBE_DISCARD_TAG
         self.kernel_acks = KernelAcks()  # when the peer's kernel acknowledged each message (TCP streams)
         self._ack_poll: asyncio.TimerHandle | None = None
 
@@ -337,7 +338,8 @@ class Link:
             if transfer.complete:
                 del self._outgoing[key]
                 finished = time.monotonic()
-                self.wire.on_message(transfer.started, self.kernel_acks.finish(key, finished), transfer.total)
+                wire = self.probe_wire if transfer.tag == PROBE_DISCARD_TAG else self.wire
+                wire.on_message(transfer.started, self.kernel_acks.finish(key, finished), transfer.total)
                 transfer.release_copy(self._copies)
                 if not self._outgoing:  # nothing left to send: the coming gap is the application's
                     self.delivery.on_idle(now)
