@@ -269,8 +269,8 @@ def test_without_a_bandwidth_source_the_hook_reads_its_groups_links():
 def test_a_probe_burst_reads_the_path_where_small_messages_read_their_ack_delays():
     """Messages of 30 kB, each acknowledged 5 ms after its round trip (polls, loops): 6 MB/s. A
     probe of 2 MB is on the wire 20 ms: 100 MB/s, the highest lower bound, which stands until
-    PROBE_HOLD_S passes without another probe."""
-    from wanlink.c10d.auto_density import PROBE_HOLD_S, LinkDeliveryRate
+    HOLD_S passes without another probe."""
+    from wanlink.c10d.auto_density import HOLD_S, LinkDeliveryRate
 
     link = _FakeLink(rtt_s=0.04)
     rate = LinkDeliveryRate(lambda: [link])
@@ -281,7 +281,7 @@ def test_a_probe_burst_reads_the_path_where_small_messages_read_their_ack_delays
     link.probe_wire.on_message(1.0, 1.06, 2_000_000)
     assert rate(1.1) == pytest.approx(100e6)
     readings = []
-    for t in (1.1 + PROBE_HOLD_S, 1.2 + PROBE_HOLD_S):  # each with a new sample of the messages' meter
+    for t in (1.1 + HOLD_S, 1.2 + HOLD_S):  # each with a new sample of the messages' meter
         for i in range(5):
             link.wire.on_message(t - 0.06 + i * 0.01, t - 0.06 + i * 0.01 + 0.045, 30_000)
         readings.append(rate(t))

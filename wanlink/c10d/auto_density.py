@@ -45,7 +45,7 @@ PROPOSAL_BYTES = 8  # float64 after each bucket's frames
 LAG = 2  # a proposal made at step t applies from step t + LAG
 WIRE_MIN_S = 0.02  # wire time a sample of the messages' meter needs (a step at 0.1 % has a few ms)
 PROBE_MIN_S = 0.001  # every probe that completed is a sample
-PROBE_HOLD_S = 2.0  # a probe's sample stands this long (the next one is due after ProbeSchedule.every_s)
+HOLD_S = 2.0  # a meter's latest sample stands this long (a probe's until the next is due, ProbeSchedule.every_s)
 
 
 class LinkDeliveryRate:
@@ -64,8 +64,8 @@ class LinkDeliveryRate:
         self.wire_meter = BurstRateMeter(min_busy_s=WIRE_MIN_S)  # messages' time on the wire (RTT off already)
         self.probe_meter = BurstRateMeter(min_busy_s=PROBE_MIN_S)  # the probes' time on the wire
         self.probes = probes if probes is not None else ProbeSchedule()
-        self.latest: dict[str, float] = {}  # each meter's latest sample
-        self._probe_t = -math.inf  # when the latest probe sample was taken
+        self.latest: dict[str, float] = {}  # each meter's latest sample, while under HOLD_S old
+        self._taken: dict[str, float] = {}  # when each was taken
         self.available = False
         self.rtt_s = 0.0  # the links' minimum RTT at the last call: the controller's latency
 
@@ -81,15 +81,14 @@ class LinkDeliveryRate:
                                        for link, rtt in zip(links, rtts)], 0.0)
         probe = self.probe_meter.update([(id(link), *link.probe_wire.reading(rtt or self.rtt_s))
                                          for link, rtt in zip(links, rtts)], 0.0)
-        if probe is not None:
-            self._probe_t = now
-        elif now - self._probe_t > PROBE_HOLD_S:
-            self.latest.pop("probe", None)
+        for name, rate in (("busy", busy), ("wire", wire), ("probe", probe)):
+            if rate is not None:
+                self.latest[name], self._taken[name] = rate, now
+            elif now - self._taken.get(name, now) > HOLD_S:  # a lower bound of the path as it was then
+                self.latest.pop(name, None)
         if busy is None and wire is None and probe is None:
             return None
         # all err low (see wanlink.probe.rate.WireTime, ProbeSchedule): the highest is the nearest
-        self.latest.update((name, rate) for name, rate in (("busy", busy), ("wire", wire), ("probe", probe))
-                           if rate is not None)
         return max(self.latest.values())
 
     def probe(self, now: float) -> None:
