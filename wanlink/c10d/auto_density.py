@@ -1,25 +1,28 @@
 """``BlockSparseState(density="auto")``: a DensityController per rank, rank 0's decision for every rank.
 
-What the hook measures, without extra messages or round trips:
+What the hook measures (the probe bursts are its only extra messages):
 
 - a step begins at its first bucket's hook call and lasts until the next step begins;
 - its exposed wait: how long after its last bucket's hook call the exchange DDP waits for at the
   end of the backward pass (the step's own with staleness 0, the previous step's with staleness 1)
   completed; compute = step time - exposed wait (the hook's own sparsifying stays in: it is on
   the critical path whatever the density);
-- bandwidth, by default from the links (``LinkDeliveryRate``): per step, the higher of two
+- bandwidth, by default from the links (``LinkDeliveryRate``): per step, the highest of three
   lower bounds (``wanlink.probe.rate``): the bytes the peer acknowledged over the time the link
   had data unacknowledged, less one round trip (the kernel's minimum RTT) per busy period, as
-  every burst sent after an idle gap pays one before its rate shows (``SendingTime``); and the
-  bytes of the messages finished over their time on the wire, each from its send to its last ack
-  less one round trip, overlapping ones sharing their time (``WireTime``: the gaps between a
-  step's buckets, which a busy period spans, drop out). Time this rank spent computing or waiting
-  for the peer with nothing in flight is not counted, unlike the exchange times, which count a
-  late peer or a busy CPU as a slow link. For a group whose links the hook cannot see (another
-  backend) it falls back to those: the bytes a step sent over the summed durations (launch to
-  completion) of its exchanges, less all but one latency (the shortest recent exchange's duration
-  stands for it). ``bandwidth=`` replaces both with a source of the caller's (a simulated schedule
-  in tests).
+  every burst sent after an idle gap pays one before its rate shows (``SendingTime``); the bytes
+  of the messages finished over their time on the wire, each from its send to the peer's kernel
+  acknowledging its last byte less one round trip, overlapping ones sharing their time
+  (``WireTime``, ``KernelAcks``: the gaps between a step's buckets, which a busy period spans,
+  drop out); and probe bursts sent while nothing of the hook's is in flight, sized to show a
+  faster path than the one seen (``ProbeSchedule``), since a step's messages at a low density
+  cross a fast path in less time than acknowledging them takes. Time this rank spent computing
+  or waiting for the peer with nothing in flight is not counted, unlike the exchange times,
+  which count a late peer or a busy CPU as a slow link. For a group whose links the hook cannot
+  see (another backend) it falls back to those: the bytes a step sent over the summed durations
+  (launch to completion) of its exchanges, less all but one latency (the shortest recent
+  exchange's duration stands for it). ``bandwidth=`` replaces them all with a source of the
+  caller's (a simulated schedule in tests).
 
 Agreement: every rank appends its proposal (a float64) to each bucket message of the all-gather it
 sends anyway; every rank reads rank 0's from the gathered buffer and uses it from ``LAG`` steps
@@ -49,10 +52,12 @@ HOLD_S = 2.0  # a meter's latest sample stands this long (a probe's until the ne
 
 
 class LinkDeliveryRate:
-    """The default bandwidth source: the group's links' busy time (``wanlink.probe.rate.BurstRateMeter``).
+    """The default bandwidth source: the group's links' busy periods, messages and probes (see the module).
 
-    Called once per step (any thread): reads each link's ``sending`` counters and the kernel's
-    minimum RTT of its streams, and returns a sample in bytes/s or None. That RTT is also the
+    Called once per step (any thread): reads each link's ``sending``, ``wire`` and ``probe_wire``
+    counters and the kernel's minimum RTT of its streams, and returns a sample in bytes/s or None
+    (the highest of the meters' latest samples, each standing ``HOLD_S``); ``probe`` sends the
+    links a probe burst when one is due. That RTT is also the
     controller's ``latency_s``: a step's exchanges pay one round trip on top of their transfer. ``available`` says
     whether the group had links at the last call (False for a group of another backend: the hook
     then falls back to its exchange times).
