@@ -48,7 +48,7 @@ PROPOSAL_BYTES = 8  # float64 after each bucket's frames
 LAG = 2  # a proposal made at step t applies from step t + LAG
 WIRE_MIN_S = 0.02  # wire time a sample of the messages' meter needs (a step at 0.1 % has a few ms)
 PROBE_MIN_S = 0.001  # every probe that completed is a sample
-HOLD_S = 2.0  # a meter's latest sample stands this long (a probe's until the next is due, ProbeSchedule.every_s)
+HOLD_S = 1.5  # a meter's latest sample stands this long (a probe's until the next is due, ProbeSchedule.every_s)
 
 
 class LinkDeliveryRate:
