@@ -62,8 +62,10 @@ def worker(args) -> None:
     ddp = DDP(model, gradient_as_bucket_view=True) if distributed else model
     state = None
     if variant["density"] is not None:
+        auto = variant["density"] == "auto"
         state = BlockSparseState(density=variant["density"], staleness=1, sparse_optimizer=True,
-                                 **(AUTO_BOUNDS if variant["density"] == "auto" else {}))
+                                 **(AUTO_BOUNDS if auto else {}),
+                                 **({"controller_options": {"margin": args.margin}} if auto and args.margin else {}))
         ddp.register_comm_hook(state, block_sparse_hook)
     optimizer = (SparseSGD if state else torch.optim.SGD)(ddp.parameters(), lr=0.01, momentum=0.9)
     if distributed:
@@ -94,10 +96,13 @@ def worker(args) -> None:
         else:
             optimizer.step()
         end = time.monotonic()
-        estimate = state.density_stats().get("bandwidth_Bps") if state is not None else None
+        density_stats = state.density_stats() if state is not None else {}
+        estimate = density_stats.get("bandwidth_Bps")
+        meters = {name: 8 * rate / 1e6 for name, rate in density_stats.get("meters_Bps", {}).items()}
         records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
                         "density": None if state is None else state.density,
-                        "estimate_mbit": None if estimate is None else 8 * estimate / 1e6})
+                        "estimate_mbit": None if estimate is None else 8 * estimate / 1e6,
+                        **({"meters_mbit": meters} if meters else {})})
         watchdog.tick()
     watchdog.tick()  # the teardown's own budget
     if state is not None and state.flush():
@@ -110,7 +115,8 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def run_variant(path, name: str, rates: list[float], phase_s: float, port: int, stall_s: float) -> dict:
+def run_variant(path, name: str, rates: list[float], phase_s: float, port: int, stall_s: float,
+                margin: float | None = None) -> dict:
     """Runs one variant while changing the path's rate at each phase boundary (rank 0's clock)."""
     distributed = VARIANTS[name]["backend"] is not None
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +124,7 @@ def run_variant(path, name: str, rates: list[float], phase_s: float, port: int, 
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name,
                   "--duration-s", repr(phase_s * len(rates)), "--iterations", str(FLOOR_ITERATIONS),
                   "--master", path.addr_a, "--port", str(port), "--rank-out", out, "--start-file", start_file,
-                  "--stall-s", repr(stall_s)]
+                  "--stall-s", repr(stall_s), *(["--margin", repr(margin)] if margin else [])]
         env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
         path.change(rate_mbit=rates[0])
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env),
@@ -199,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="run in this order; the floor may be named twice (first and last), its runs are averaged")
     parser.add_argument("--name", default="adaptive", help="file name of the JSON and PNG")
+    parser.add_argument("--margin", type=float, help="auto's DensityController margin (default: the controller's)")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the PNG from a result JSON")
     add_output_options(parser)
     add_worker_options(parser, port=29700, extra=("--start-file",))
@@ -217,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     with WanPath(rtt_ms=args.rtt_ms, rate_mbit=args.rates[0]) as path:
         set_slow_start_after_idle(path, 0)  # as e2e_training: no slow start after an idle gap
         for index, variant in enumerate(args.variants):
-            runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index, args.stall_s))
+            runs.append(run_variant(path, variant, args.rates, args.phase_s, args.port + index, args.stall_s,
+                                    args.margin))
             print(f"{variant}: {len(runs[-1]['records'])} iterations", flush=True)
             run.save_json(args.name, {"runs": runs, "partial": True})  # kept should a later variant fail
     # the floor may run more than once (first and last: the machine's load moves during a call)
@@ -233,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("median_density", "density", ".4g")])
     run.save_json(args.name, {"phases": rows, "runs": runs, "floor_s": floor_s, "floor_runs_s": floors,
                               "rates_mbit": args.rates,
-                              "phase_s": args.phase_s, "rtt_ms": args.rtt_ms, "auto_bounds": AUTO_BOUNDS})
+                              "phase_s": args.phase_s, "rtt_ms": args.rtt_ms, "auto_bounds": AUTO_BOUNDS,
+                              "auto_margin": args.margin})
     print("wrote", plot(run, runs, args.rates, args.phase_s, floor_s, args.name))
     return 0
 

@@ -160,7 +160,12 @@ class _FakeLink:
     def __init__(self, rtt_s):
         from wanlink.probe.rate import SendingTime, WireTime
 
-        self.sending, self.wire, self.rtt_s = SendingTime(), WireTime(), rtt_s
+        self.sending, self.wire, self.probe_wire, self.rtt_s = SendingTime(), WireTime(), WireTime(), rtt_s
+        self.loop, self.closed, self.probes_sent = self, False, []
+
+    def call_soon_threadsafe(self, _send, link, payload):  # LinkDeliveryRate.probe's way onto the loop
+        assert link is self
+        self.probes_sent.append(len(payload))
 
     def min_rtt_s(self):
         return self.rtt_s
@@ -259,3 +264,57 @@ def test_without_a_bandwidth_source_the_hook_reads_its_groups_links():
         assert source == "link"
         [(acked, busy, periods)] = readings  # one link, to the other rank
         assert acked > 0 and busy > 0 and periods >= 5
+
+
+def test_a_probe_burst_reads_the_path_where_small_messages_read_their_ack_delays():
+    """Messages of 30 kB, each acknowledged 5 ms after its round trip (polls, loops): 6 MB/s. A
+    probe of 2 MB is on the wire 20 ms: 100 MB/s, the highest lower bound, which stands until
+    HOLD_S passes without another probe."""
+    from wanlink.c10d.auto_density import HOLD_S, LinkDeliveryRate
+
+    link = _FakeLink(rtt_s=0.04)
+    rate = LinkDeliveryRate(lambda: [link])
+    rate(0.0)
+    for step in range(10):
+        link.wire.on_message(step * 0.1, step * 0.1 + 0.045, 30_000)
+    assert rate(1.0) == pytest.approx(6e6)
+    link.probe_wire.on_message(1.0, 1.06, 2_000_000)
+    assert rate(1.1) == pytest.approx(100e6)
+    readings = []
+    for t in (1.1 + HOLD_S, 1.2 + HOLD_S):  # each with a new sample of the messages' meter
+        for i in range(5):
+            link.wire.on_message(t - 0.06 + i * 0.01, t - 0.06 + i * 0.01 + 0.045, 30_000)
+        readings.append(rate(t))
+    # within the hold; then no probe since: the messages' meter alone
+    assert readings == [pytest.approx(100e6), pytest.approx(6e6)]
+
+
+def test_probes_go_out_at_most_every_so_often_sized_by_the_rate_seen():
+    from wanlink.c10d.auto_density import LinkDeliveryRate
+    from wanlink.probe.rate import ProbeSchedule
+
+    link = _FakeLink(rtt_s=0.04)
+    rate = LinkDeliveryRate(lambda: [link], probes=ProbeSchedule(every_s=1.0, probe_s=0.02, growth=2.0,
+                                                                   min_bytes=10_000, max_bytes=1_000_000))
+    rate.probe(0.0)  # nothing measured yet: the smallest
+    rate.probe(0.5)  # too soon
+    rate.latest["wire"] = 5e6
+    rate.probe(1.0)  # 2 x 5 MB/s x 20 ms
+    rate.latest["probe"] = 100e6
+    rate.probe(2.0)  # capped
+    assert link.probes_sent == [10_000, 200_000, 1_000_000]
+    assert LinkDeliveryRate(lambda: []).probe(0.0) is None  # no links (another backend): nothing to probe
+
+
+def test_the_hook_probes_once_nothing_it_launched_is_in_flight():
+    from wanlink.c10d.auto_density import AutoDensity, LinkDeliveryRate
+
+    clock, link = FakeClock(), _FakeLink(rtt_s=0.04)
+    auto = AutoDensity(min_density=0.001, max_density=0.1, staleness=1, clock=clock,
+                       link_rate=LinkDeliveryRate(lambda: [link]))
+    auto.begin_step(0, full_bytes=1e6)
+    first, second = auto.exchange_started(0), auto.exchange_started(0)
+    auto.exchange_done(0, first, 1000, rank0_proposal=0.001)
+    assert link.probes_sent == []  # the step's second bucket is still on the wire
+    auto.exchange_done(0, second, 1000, rank0_proposal=0.001)
+    assert len(link.probes_sent) == 1

@@ -674,3 +674,28 @@ async def test_pending_says_what_a_stuck_link_still_sends_and_awaits(pair):
     await sending
     assert pair.client.pending()["sends_pending"] == 0
     receiving.cancel()
+
+
+async def test_a_messages_wire_time_ends_at_its_kernel_ack_not_the_peers_late_ack_frame(pair):
+    """Link.wire reads each message's end from the peer's kernel (Link.kernel_acks): a peer whose
+    event loop acknowledges late (here its ack frames held back 0.6 s) does not read as a slow link."""
+    loop = asyncio.get_running_loop()
+    for stream in pair.accepted._streams:
+        queue_now = stream.queue_control
+        stream.queue_control = lambda frame, queue_now=queue_now: loop.call_later(0.6, queue_now, frame)
+    started = time.monotonic()
+    await asyncio.gather(pair.client.send(b"x" * 100_000, tag=3), pair.accepted.recv_into(bytearray(100_000), tag=3))
+    assert time.monotonic() - started >= 0.6  # the application's ack came late
+    acked, wire, messages = pair.client.wire.reading()
+    assert (acked, messages) == (100_000, 1) and wire < 0.4  # the kernel's came within milliseconds
+    assert len(pair.client.kernel_acks) == 0  # finished messages are forgotten
+
+
+async def test_probe_messages_are_timed_apart_from_the_applications(pair):
+    """What is sent on PROBE_DISCARD_TAG (density="auto"'s probe bursts) goes to Link.probe_wire."""
+    from wanlink.proto.reassembly import PROBE_DISCARD_TAG
+
+    await pair.client.send(b"p" * 50_000, tag=PROBE_DISCARD_TAG, deadline=float("inf"))
+    await asyncio.gather(pair.client.send(b"x" * 1000, tag=3), pair.accepted.recv_into(bytearray(1000), tag=3))
+    assert pair.client.probe_wire.reading()[::2] == (50_000, 1)
+    assert pair.client.wire.reading()[::2] == (1000, 1)

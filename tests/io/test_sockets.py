@@ -1,5 +1,6 @@
 """Stream socket set-up: congestion control choice and socket buffers (no traffic)."""
 import socket
+import time
 
 import pytest
 
@@ -162,3 +163,29 @@ def test_tcp_info_reads_the_kernel_counters():
         assert info.snd_wnd > 0
     if info.bytes_acked is not None:  # 4.1 and later; read twice: acks may arrive in between
         assert info.bytes_acked <= acked <= 100001  # the SYN counts as one byte
+
+
+def test_tcp_send_progress_counts_bytes_given_to_the_kernel_and_acknowledged():
+    from wanlink.io.sockets import tcp_send_progress
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with socket.create_connection(listener.getsockname()) as conn:
+            peer, _ = listener.accept()
+            with peer:
+                if tcp_send_progress(conn) is None:
+                    pytest.skip("no TCP_INFO bytes_sent on this platform (Linux 4.19+)")
+                conn.sendall(b"x" * 100000)
+                peer.sendall(b"y" * 3000)
+                received = 0
+                while received < 100000:
+                    received += len(peer.recv(65536))
+                conn.recv(3000, socket.MSG_WAITALL)
+                for _ in range(1000):  # the last acks may still be on their way
+                    (given, acked), (peer_given, peer_acked) = tcp_send_progress(conn), tcp_send_progress(peer)
+                    if acked >= given and peer_acked >= peer_given:
+                        break
+                    time.sleep(0.01)
+    assert (given, acked) == (100000, 100001)  # the connecting side counts its SYN
+    assert (peer_given, peer_acked) == (3000, 3000)
+    with socket.socket(socket.AF_UNIX) as unix:
+        assert tcp_send_progress(unix) is None

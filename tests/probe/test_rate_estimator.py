@@ -4,7 +4,7 @@ import random
 import pytest
 
 from wanlink.errors import ConfigError
-from wanlink.probe.rate import BurstRateMeter, DeliveryRateEstimator, SendingTime, WireTime
+from wanlink.probe.rate import BurstRateMeter, DeliveryRateEstimator, KernelAcks, SendingTime, WireTime
 
 MB = 1_000_000
 
@@ -185,3 +185,50 @@ def test_wire_time_never_credits_a_message_with_less_than_its_resolution():
     assert wire.reading(rtt_s=0.04) == (25_000, pytest.approx(0.005), 1)
     with pytest.raises(ConfigError, match="resolution_s"):
         WireTime(resolution_s=0)
+
+
+# -- KernelAcks: when the peer's kernel acknowledged each message's last byte -------------------
+
+def test_kernel_acks_end_a_message_at_the_first_poll_covering_every_stream_it_went_into():
+    acks = KernelAcks()
+    acks.written("m", 0, 1000)  # a chunk on stream 0 ends at kernel byte 1000, one on stream 1 at 500
+    acks.written("m", 1, 500)
+    acks.poll({0: 1000, 1: 500}, 1.0)  # covered, but not written in full yet: no end
+    assert acks.awaited() == set()
+    acks.all_written("m")
+    assert acks.awaited() == {0, 1}
+    acks.poll({0: 1000, 1: 499}, 2.0)  # stream 1 still owes a byte
+    acks.poll({0: 1000}, 2.5)  # a stream missing from a poll acknowledged nothing more
+    acks.poll({0: 1200, 1: None}, 2.6)  # nor one whose counters could not be read
+    assert acks.awaited() == {0, 1}
+    acks.poll({0: 1200, 1: 600}, 3.0)
+    assert acks.awaited() == set()
+    acks.poll({0: 1300, 1: 700}, 4.0)  # later polls keep the first end
+    assert acks.finish("m", 9.0) == 3.0 and len(acks) == 0
+
+
+def test_kernel_acks_fall_back_to_the_applications_ack_and_never_end_after_it():
+    acks = KernelAcks()
+    assert acks.finish("never written", 5.0) == 5.0  # a Unix socket, or a message not tracked
+    acks.written("m", 0, 100)
+    acks.all_written("m")
+    assert acks.finish("m", 6.0) == 6.0  # no poll saw it: a stream died, or the ack beat the poll
+    acks.written("n", 0, 100)
+    acks.written("n", 0, 50)  # positions only grow (a re-sent chunk written earlier on the stream)
+    acks.all_written("n")
+    acks.poll({0: 100}, 8.0)
+    assert acks.finish("n", 7.5) == 7.5  # the caller's time if it is the earlier
+
+
+# -- ProbeSchedule: probe bursts that grow with the rate they show -------------------------------
+
+def test_probe_schedule_sizes_each_probe_from_the_rate_seen_at_most_every_so_often():
+    from wanlink.probe.rate import ProbeSchedule
+
+    probes = ProbeSchedule(every_s=1.0, probe_s=0.02, growth=2.0, min_bytes=64_000, max_bytes=4_000_000)
+    assert probes.due(0.0, None) == 64_000  # nothing measured: the smallest
+    assert probes.due(0.9, 10e6) is None  # under every_s since the last
+    assert probes.due(1.0, 10e6) == 400_000  # 2 x 20 ms at 10 MB/s: takes 40 ms if the path is that fast
+    assert probes.due(2.5, 1e6) == 64_000 and probes.due(3.5, 1e9) == 4_000_000  # clamped
+    with pytest.raises(ConfigError, match="growth >= 1"):
+        ProbeSchedule(growth=0.5)

@@ -165,3 +165,19 @@ def test_bad_samples_are_refused():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError):
             ctrl.observe_bandwidth(bad, 6.0)
+
+
+def test_a_sustained_drop_shows_once_the_last_second_saw_it_and_a_short_dip_does_not():
+    """Samples every 0.1 s: the 20th percentile of 8 s needs 1.6 s of lower samples; a whole second
+    of them is enough, and half a second (a dip) is not."""
+    def feed(ctrl, rates_mbit, start):
+        for i, rate in enumerate(rates_mbit):
+            ctrl.observe_bandwidth(rate * MBIT, start + i * 0.1)
+        return ctrl.bandwidth_estimate(start + (len(rates_mbit) - 1) * 0.1)
+
+    fast, percentile_only = controller(drop_s=1.0, drop_samples=3), controller(drop_samples=10**6)
+    for ctrl in (fast, percentile_only):
+        feed(ctrl, [500] * 80, start=0.0)
+    assert feed(fast, [100] * 5 + [500], start=8.0) == 500 * MBIT  # a dip of 0.5 s
+    assert feed(fast, [120] * 11, start=8.6) == 120 * MBIT  # 1.1 s of lower samples
+    assert feed(percentile_only, [100] * 5 + [500] + [120] * 11, start=8.0) == 500 * MBIT

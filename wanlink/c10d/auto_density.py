@@ -1,25 +1,28 @@
 """``BlockSparseState(density="auto")``: a DensityController per rank, rank 0's decision for every rank.
 
-What the hook measures, without extra messages or round trips:
+What the hook measures (the probe bursts are its only extra messages):
 
 - a step begins at its first bucket's hook call and lasts until the next step begins;
 - its exposed wait: how long after its last bucket's hook call the exchange DDP waits for at the
   end of the backward pass (the step's own with staleness 0, the previous step's with staleness 1)
   completed; compute = step time - exposed wait (the hook's own sparsifying stays in: it is on
   the critical path whatever the density);
-- bandwidth, by default from the links (``LinkDeliveryRate``): per step, the higher of two
+- bandwidth, by default from the links (``LinkDeliveryRate``): per step, the highest of three
   lower bounds (``wanlink.probe.rate``): the bytes the peer acknowledged over the time the link
   had data unacknowledged, less one round trip (the kernel's minimum RTT) per busy period, as
-  every burst sent after an idle gap pays one before its rate shows (``SendingTime``); and the
-  bytes of the messages finished over their time on the wire, each from its send to its last ack
-  less one round trip, overlapping ones sharing their time (``WireTime``: the gaps between a
-  step's buckets, which a busy period spans, drop out). Time this rank spent computing or waiting
-  for the peer with nothing in flight is not counted, unlike the exchange times, which count a
-  late peer or a busy CPU as a slow link. For a group whose links the hook cannot see (another
-  backend) it falls back to those: the bytes a step sent over the summed durations (launch to
-  completion) of its exchanges, less all but one latency (the shortest recent exchange's duration
-  stands for it). ``bandwidth=`` replaces both with a source of the caller's (a simulated schedule
-  in tests).
+  every burst sent after an idle gap pays one before its rate shows (``SendingTime``); the bytes
+  of the messages finished over their time on the wire, each from its send to the peer's kernel
+  acknowledging its last byte less one round trip, overlapping ones sharing their time
+  (``WireTime``, ``KernelAcks``: the gaps between a step's buckets, which a busy period spans,
+  drop out); and probe bursts sent while nothing of the hook's is in flight, sized to show a
+  faster path than the one seen (``ProbeSchedule``), since a step's messages at a low density
+  cross a fast path in less time than acknowledging them takes. Time this rank spent computing
+  or waiting for the peer with nothing in flight is not counted, unlike the exchange times,
+  which count a late peer or a busy CPU as a slow link. For a group whose links the hook cannot
+  see (another backend) it falls back to those: the bytes a step sent over the summed durations
+  (launch to completion) of its exchanges, less all but one latency (the shortest recent
+  exchange's duration stands for it). ``bandwidth=`` replaces them all with a source of the
+  caller's (a simulated schedule in tests).
 
 Agreement: every rank appends its proposal (a float64) to each bucket message of the all-gather it
 sends anyway; every rank reads rank 0's from the gathered buffer and uses it from ``LAG`` steps
@@ -28,13 +31,15 @@ later, when every rank has it whatever the staleness. So every rank switches at 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
 from wanlink.errors import ConfigError
-from wanlink.probe.rate import BurstRateMeter
+from wanlink.probe.rate import BurstRateMeter, ProbeSchedule
+from wanlink.proto.reassembly import PROBE_DISCARD_TAG
 from wanlink.sched.density import DensityController, DensityDecision
 
 logger = logging.getLogger(__name__)
@@ -42,27 +47,34 @@ logger = logging.getLogger(__name__)
 PROPOSAL_BYTES = 8  # float64 after each bucket's frames
 LAG = 2  # a proposal made at step t applies from step t + LAG
 WIRE_MIN_S = 0.02  # wire time a sample of the messages' meter needs (a step at 0.1 % has a few ms)
+PROBE_MIN_S = 0.001  # every probe that completed is a sample
+HOLD_S = 1.5  # a meter's latest sample stands this long (a probe's until the next is due, ProbeSchedule.every_s)
 
 
 class LinkDeliveryRate:
-    """The default bandwidth source: the group's links' busy time (``wanlink.probe.rate.BurstRateMeter``).
+    """The default bandwidth source: the group's links' busy periods, messages and probes (see the module).
 
-    Called once per step (any thread): reads each link's ``sending`` counters and the kernel's
-    minimum RTT of its streams, and returns a sample in bytes/s or None. That RTT is also the
+    Called once per step (any thread): reads each link's ``sending``, ``wire`` and ``probe_wire``
+    counters and the kernel's minimum RTT of its streams, and returns a sample in bytes/s or None
+    (the highest of the meters' latest samples, each standing ``HOLD_S``); ``probe`` sends the
+    links a probe burst when one is due. That RTT is also the
     controller's ``latency_s``: a step's exchanges pay one round trip on top of their transfer. ``available`` says
     whether the group had links at the last call (False for a group of another backend: the hook
     then falls back to its exchange times).
     """
 
-    def __init__(self, links: Callable[[], list], **meter_options):
+    def __init__(self, links: Callable[[], list], *, probes: ProbeSchedule | None = None, **meter_options):
         self.links = links
         self.meter = BurstRateMeter(**meter_options)  # busy periods, one RTT off each
         self.wire_meter = BurstRateMeter(min_busy_s=WIRE_MIN_S)  # messages' time on the wire (RTT off already)
-        self.latest: dict[str, float] = {}  # each meter's latest sample
+        self.probe_meter = BurstRateMeter(min_busy_s=PROBE_MIN_S)  # the probes' time on the wire
+        self.probes = probes if probes is not None else ProbeSchedule()
+        self.latest: dict[str, float] = {}  # each meter's latest sample, while under HOLD_S old
+        self._taken: dict[str, float] = {}  # when each was taken
         self.available = False
         self.rtt_s = 0.0  # the links' minimum RTT at the last call: the controller's latency
 
-    def __call__(self, _now: float) -> float | None:
+    def __call__(self, now: float) -> float | None:
         links = self.links()
         self.available = bool(links)
         if not links:
@@ -72,11 +84,46 @@ class LinkDeliveryRate:
         busy = self.meter.update([(id(link), *link.sending.reading()) for link in links], self.rtt_s)
         wire = self.wire_meter.update([(id(link), *link.wire.reading(rtt or self.rtt_s))
                                        for link, rtt in zip(links, rtts)], 0.0)
-        if busy is None and wire is None:
+        probe = self.probe_meter.update([(id(link), *link.probe_wire.reading(rtt or self.rtt_s))
+                                         for link, rtt in zip(links, rtts)], 0.0)
+        for name, rate in (("busy", busy), ("wire", wire), ("probe", probe)):
+            if rate is not None:
+                self.latest[name], self._taken[name] = rate, now
+            elif now - self._taken.get(name, now) > HOLD_S:  # a lower bound of the path as it was then
+                self.latest.pop(name, None)
+        if busy is None and wire is None and probe is None:
             return None
-        # both err low (see wanlink.probe.rate.WireTime): the higher one is the nearer
-        self.latest.update((name, rate) for name, rate in (("busy", busy), ("wire", wire)) if rate is not None)
+        # all err low (see wanlink.probe.rate.WireTime, ProbeSchedule): the highest is the nearest
         return max(self.latest.values())
+
+    def probe(self, now: float) -> None:
+        """The links are idle (any thread): send each a probe burst if one is due (``ProbeSchedule``),
+        on ``PROBE_DISCARD_TAG`` (the peer's transport drops it) with the latest EDF deadline."""
+        links = self.links()
+        size = self.probes.due(now, max(self.latest.values(), default=None)) if links else None
+        if size is None:
+            return
+        payload = _probe_payload(self.probes.max_bytes)[:size]
+        for link in links:
+            link.loop.call_soon_threadsafe(_send_probe, link, payload)
+
+
+_PROBE_PAYLOADS: dict[int, memoryview] = {}
+
+
+def _probe_payload(nbytes: int) -> memoryview:
+    """A zero buffer of ``nbytes`` (allocated once per size), which probes only read."""
+    if nbytes not in _PROBE_PAYLOADS:
+        _PROBE_PAYLOADS[nbytes] = memoryview(bytes(nbytes))
+    return _PROBE_PAYLOADS[nbytes]
+
+
+def _send_probe(link, payload: memoryview) -> None:
+    """On ``link``'s loop: start the probe; its failure is the link's, reported by its next operation."""
+    if link.closed:
+        return
+    task = link.loop.create_task(link.send(payload, tag=PROBE_DISCARD_TAG, deadline=math.inf))
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def group_links(group) -> list:
@@ -167,6 +214,9 @@ class AutoDensity:
             self._recent_durations.append(duration)
             done[3] = max(done[3], now)
             self._agreed[step] = rank0_proposal
+            idle = all(self._done.get(s, (0,))[0] == launched for s, launched in self._launched.items())
+        if idle and self.bandwidth is None and self.link_rate is not None and self.link_rate.available:
+            self.link_rate.probe(now)  # nothing of ours in flight until the next step's first bucket
 
     # -- internals ---------------------------------------------------------------------------------
     def _observe(self, step: int, now: float) -> None:
@@ -221,4 +271,5 @@ class AutoDensity:
         return {"density": self.density, "changes": list(self.changes), "bandwidth_source": source,
                 "bandwidth_Bps": None if decision is None else decision.bandwidth_Bps,
                 "compute_s": None if decision is None else decision.compute_s,
+                "meters_Bps": dict(self.link_rate.latest) if self.link_rate is not None else {},
                 "staleness_needed": bool(decision and decision.staleness_needed)}

@@ -9,7 +9,7 @@ import time
 from wanlink.errors import ConfigError, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, congestion_of, is_local_socket, log, tcp_bytes_acked, tcp_info, tcp_rtt_s,
+    close_quietly, congestion_of, is_local_socket, log, tcp_bytes_acked, tcp_info, tcp_rtt_s, tcp_send_progress,
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
@@ -19,7 +19,7 @@ from wanlink.proto.frames import (
 )
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
-from wanlink.probe.rate import DeliveryRateEstimator, SendingTime, WireTime
+from wanlink.probe.rate import DeliveryRateEstimator, KernelAcks, SendingTime, WireTime
 from wanlink.sched.chunking import CopyPool, OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
 
@@ -37,6 +37,9 @@ more than the ack it saves on fast paths."""
 COPIES_KEPT = 4
 """Copy buffers (of COPY_TO_SETTLE_BYTES) a link keeps for reuse: sends settled at once per link."""
 ABORT_GRACE_S = 1.0  # how long a failing link tries to deliver its ABORT before closing
+KERNEL_ACK_POLL_S = 0.002
+"""While a message written in full awaits its acks, the link reads its streams' acknowledged bytes
+this often (``KernelAcks``): about 5 us of getsockopt a stream, a few dozen times a message."""
 _INT64 = (-(2**63), 2**63 - 1)
 _LINK_FAILED = object()  # queued to wake control readers when the link fails
 
@@ -128,7 +131,10 @@ class Link:
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
         self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
         self.sending = SendingTime()  # busy periods of what we send (density="auto" reads it)
-        self.wire = WireTime()  # and each message's time on the wire
+        self.wire = WireTime()  # and each message's time on the wire, to its last byte's kernel ack
+        self.probe_wire = WireTime()  # the same for what we send on PROBE_DISCARD_TAG
+        self.kernel_acks = KernelAcks()  # when the peer's kernel acknowledged each message (TCP streams)
+        self._ack_poll: asyncio.TimerHandle | None = None
 
     def record_send_order(self, maxlen: int = 100_000) -> collections.deque:
         """Start logging the order in which chunks leave (for tests and tracing); returns the log."""
@@ -297,10 +303,12 @@ class Link:
         else:
             waiter.set_result(entry.total)
 
-    def chunk_written(self, chunk) -> None:
-        """A stream put all of ``chunk`` into its kernel buffer (or found it acknowledged already)."""
+    def chunk_written(self, chunk, stream: Stream) -> None:
+        """``stream`` put all of ``chunk`` into its kernel buffer (or found it acknowledged already)."""
         transfer = chunk.transfer
         transfer.written(chunk)
+        if stream.sock.family != socket.AF_UNIX:
+            self._note_kernel_position(transfer, stream)
         if transfer.settle_written and not transfer.unwritten:
             self._settle_written(transfer)
 
@@ -330,7 +338,8 @@ class Link:
             if transfer.complete:
                 del self._outgoing[key]
                 finished = time.monotonic()
-                self.wire.on_message(transfer.started, finished, transfer.total)
+                wire = self.probe_wire if transfer.tag == PROBE_DISCARD_TAG else self.wire
+                wire.on_message(transfer.started, self.kernel_acks.finish(key, finished), transfer.total)
                 transfer.release_copy(self._copies)
                 if not self._outgoing:  # nothing left to send: the coming gap is the application's
                     self.delivery.on_idle(now)
@@ -341,6 +350,34 @@ class Link:
                 self._settle_written(transfer)
         else:
             self.duplicate_acks += 1
+
+    def _note_kernel_position(self, transfer: OutgoingTransfer, stream: Stream) -> None:
+        """Where ``transfer``'s bytes end in ``stream``'s kernel byte count; once all of it is written,
+        poll for the peer's kernel acks (see ``KernelAcks``)."""
+        key = (transfer.tag, transfer.seq)
+        progress = tcp_send_progress(stream.sock) if key in self._outgoing else None
+        if progress is None:
+            return
+        self.kernel_acks.written(key, stream.index, progress[0])
+        if not transfer.unwritten:
+            self.kernel_acks.all_written(key)
+            if self._ack_poll is None:  # nothing can be acknowledged before a round trip: the smoothed RTT / 2
+                early = transfer.started + 0.5 * (self._rtt_s or 0.0) - time.monotonic()
+                self._ack_poll = self.loop.call_later(max(KERNEL_ACK_POLL_S, early), self._poll_kernel_acks)
+
+    def _poll_kernel_acks(self) -> None:
+        self._ack_poll = None
+        awaited = self.kernel_acks.awaited()
+        if not awaited or self.error is not None:
+            return
+        acked = {}
+        for index in awaited:
+            stream = self._streams[index]
+            progress = tcp_send_progress(stream.sock) if stream.alive else None
+            acked[index] = None if progress is None else progress[1]
+        self.kernel_acks.poll(acked, time.monotonic())
+        if self.kernel_acks.awaited():
+            self._ack_poll = self.loop.call_later(KERNEL_ACK_POLL_S, self._poll_kernel_acks)
 
     def flow_received(self, header: Header) -> None:
         """A GRANT or CREDIT for what we send, or an ANNOUNCE of a message waiting for our grant."""
@@ -556,6 +593,9 @@ class Link:
                 task.cancel()
 
     def _stop_watchdog(self) -> None:
+        if self._ack_poll is not None:
+            self._ack_poll.cancel()
+            self._ack_poll = None
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
             self._watchdog.cancel()
             self._watchdog = None  # its CancelledError's traceback holds this link

@@ -244,6 +244,26 @@ def tcp_bytes_acked(sock: socket.socket) -> int | None:
     return info.bytes_acked + info.sacked * info.snd_mss
 
 
+_SEND_PROGRESS_FIELDS = tuple(_TCP_INFO_OFFSETS[name] for name in ("bytes_acked", "notsent_bytes", "bytes_sent",
+                                                                     "bytes_retrans"))
+_SEND_PROGRESS_BYTES = max(offset + field.size for offset, field in _SEND_PROGRESS_FIELDS)
+
+
+def tcp_send_progress(sock: socket.socket) -> tuple[int, int] | None:
+    """(bytes given to the kernel, bytes the peer's kernel acknowledged) on this TCP socket: payload
+    bytes sent less those retransmitted plus those not sent yet, and ``bytes_acked`` (which counts
+    the SYN on the connecting side: one ahead there). None where unknown (not TCP, closed, before 4.19).
+    Reads only these fields: ``KernelAcks``' polls call it often."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _SEND_PROGRESS_BYTES)
+    except (OSError, AttributeError):
+        return None
+    if len(raw) < _SEND_PROGRESS_BYTES:
+        return None
+    acked, notsent, sent, retrans = (field.unpack_from(raw, offset)[0] for offset, field in _SEND_PROGRESS_FIELDS)
+    return sent - retrans + notsent, acked
+
+
 def congestion_of(sock: socket.socket) -> str | None:
     """The socket's TCP congestion control; None where the platform or the socket cannot say."""
     try:

@@ -6,7 +6,7 @@ import socket
 import zlib
 
 from wanlink.errors import PeerLost
-from wanlink.io.sockets import close_quietly, log
+from wanlink.io.sockets import close_quietly, is_local_socket, log
 from wanlink.proto.frames import (
     CLOSE_FRAME, FLAG_CHECKSUM, FLAG_EAGER, FLAG_LZ4, AbortReceived, AckReceived, ChunkReceived, CloseReceived,
     ControlReceived, FlowReceived, FrameDecoder, PingReceived, ack_header, compress_chunk, data_header,
@@ -56,6 +56,7 @@ class Stream:
         self._read_done: asyncio.Future = loop.create_future()  # set once the reader stopped
         self._writable: asyncio.Future | None = None  # awaited by the writer while the socket is full
         self._goodbye: asyncio.Task | None = None  # delivering an ABORT before the socket closes
+        self._quickack = hasattr(socket, "TCP_QUICKACK") and not is_local_socket(sock)
 
     def start(self) -> None:
         self.loop.add_reader(self.sock, self._on_readable)
@@ -116,6 +117,20 @@ class Stream:
         finally:
             if budget < READ_BUDGET_BYTES:
                 self.last_rx = self.loop.time()
+                if self._quickack:
+                    self._ack_now(sock)
+
+    def _ack_now(self, sock: socket.socket) -> None:
+        """Acknowledge what was just read now. A link carries data both ways, so the kernel treats
+        it as interactive and holds back the ack of a message's short last segment until this side
+        sends something (its ack frame, after the event loop dispatched the message) or its delayed-ack
+        timer fires: the sender's kernel would see each message end late by this side's loop
+        (``Link.kernel_acks``). TCP_QUICKACK leaves that mode and sends a pending ack at once (the
+        kernel re-enters the mode on its own, hence on every read)."""
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        except OSError:
+            self._quickack = False
 
     def _dispatch(self, event) -> None:
         link = self.link
@@ -162,7 +177,7 @@ class Stream:
                 if not chunk.acked:
                     await self._send_chunk(chunk)
                 if self.link is not None:
-                    self.link.chunk_written(chunk)
+                    self.link.chunk_written(chunk, self)
                 continue
             self.wake.clear()
             await self.wake.wait()

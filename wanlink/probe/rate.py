@@ -210,3 +210,87 @@ class WireTime:
             self.acked_bytes += nbytes
             self.messages += 1
         return self.acked_bytes, self.wire_s, self.messages
+
+
+class KernelAcks:
+    """When the peer's kernel acknowledged each message's last byte, from polled TCP counters (pure:
+    the caller reads the counters and gives the times).
+
+    The peer's application acknowledges a message once its event loop has read it and its ack
+    frame has crossed back, queued behind whatever that side is sending (in a gradient exchange,
+    its own chunks): tens of milliseconds late on a loaded machine, which ``WireTime`` reads as a
+    slow link. The kernel acknowledges data as it arrives. So the sender notes, per stream a
+    message's chunk went into, the stream's kernel position after it (``written``: bytes given to
+    the kernel), and once every chunk is written (``all_written``) polls the acknowledged bytes of
+    the ``awaited`` streams (``poll``): the first poll that finds every position acknowledged ends
+    the message. A poll comes after the ack it sees (by up to its interval and the loop's delay), so
+    the end errs late and the rate low, never high. ``finish`` (the application's ack came) gives
+    the kernel's end, or the caller's time if no poll saw one (a stream died, or no poll ran).
+    """
+
+    def __init__(self):
+        self._open: dict = {}  # message key -> [{stream: position}, every chunk written, end or None]
+
+    def written(self, key, stream, position: int) -> None:
+        """A chunk of message ``key`` is in ``stream``'s kernel buffer, which has been given ``position`` bytes."""
+        targets = self._open.setdefault(key, [{}, False, None])[0]
+        targets[stream] = max(position, targets.get(stream, 0))
+
+    def all_written(self, key) -> None:
+        """Every chunk of ``key`` is in a kernel buffer: polls may end it from now on."""
+        if key in self._open:
+            self._open[key][1] = True
+
+    def awaited(self) -> set:
+        """The streams whose acknowledged bytes the next poll needs (empty: no poll needed)."""
+        return {stream for targets, ready, end in self._open.values() if ready and end is None for stream in targets}
+
+    def poll(self, acked: dict, t: float) -> None:
+        """``acked``: per stream, the bytes its peer's kernel acknowledged so far (a stream missing,
+        or None, has acknowledged nothing more); ends every written message now covered."""
+        for entry in self._open.values():
+            targets, ready, end = entry
+            if ready and end is None and all((acked.get(stream) or 0) >= position
+                                             for stream, position in targets.items()):
+                entry[2] = t
+
+    def finish(self, key, t: float) -> float:
+        """Message ``key`` was acknowledged by the peer's application at ``t``: when its last byte
+        was acknowledged by the peer's kernel, as far as the polls saw (else ``t``). Forgets it."""
+        entry = self._open.pop(key, None)
+        return t if entry is None or entry[2] is None else min(entry[2], t)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+class ProbeSchedule:
+    """When a link's sender should send a probe burst, and how large (pure: the caller gives the
+    times and the rate it has seen so far, and sends the probe while its link is idle).
+
+    At a low density a step's messages are a few hundred kB on a path that carries megabytes per
+    round trip: they cross in a fraction of a millisecond, so their wire time is mostly the delays
+    of acknowledging them (a poll's interval, the loops), and every meter reads a rate far below
+    the path's. A probe of ``growth x rate x probe_s`` bytes takes ``growth x probe_s`` on a path
+    as fast as ``rate`` and less on a faster one; its rate, a lower bound like the others, then
+    grows by ``growth`` or more a probe until it meets the path's. At most one probe every
+    ``every_s``, of ``min_bytes`` to ``max_bytes`` (``min_bytes`` while nothing was measured): on a
+    path that just slowed down, one probe costs at most ``max_bytes`` of its time.
+    """
+
+    def __init__(self, *, every_s: float = 1.0, probe_s: float = 0.02, growth: float = 2.0,
+                 min_bytes: int = 64 * 1024, max_bytes: int = 4 * 1024 * 1024):
+        if not (every_s > 0 and probe_s > 0 and growth >= 1 and 0 < min_bytes <= max_bytes):
+            raise ConfigError(f"need every_s > 0, probe_s > 0, growth >= 1 and 0 < min_bytes <= max_bytes (got "
+                              f"{every_s}, {probe_s}, {growth}, {min_bytes}, {max_bytes})")
+        self.every_s, self.probe_s, self.growth = float(every_s), float(probe_s), float(growth)
+        self.min_bytes, self.max_bytes = int(min_bytes), int(max_bytes)
+        self._last: float | None = None
+
+    def due(self, now: float, rate_Bps: float | None) -> int | None:
+        """The size of the probe to send now (bytes), or None when the last one was under ``every_s`` ago."""
+        if self._last is not None and now - self._last < self.every_s:
+            return None
+        self._last = now
+        size = self.min_bytes if rate_Bps is None else self.growth * rate_Bps * self.probe_s
+        return int(min(self.max_bytes, max(self.min_bytes, size)))

@@ -12,7 +12,10 @@ its backward share (staleness 0). The controller turns that into a density from 
 - bandwidth samples (bytes/s), summarised by a low percentile of the last ``window_s`` seconds:
   a drop shows once that share of the window has seen it, a rise only once most of it has, and
   a lone high outlier never raises the estimate (over-estimating the link costs iteration time,
-  under-estimating it costs only a little compression);
+  under-estimating it costs only a little compression). A sustained drop shows sooner: once
+  every sample of the last ``drop_s`` seconds (at least ``drop_samples`` of them) is below that
+  percentile, the estimate is their highest (the percentile alone slides down over the whole
+  window as the lower samples fill it; one low sample among them still moves nothing);
 - compute-time samples (seconds per step, without waiting for the network), summarised by their
   median, so one slow step does not move it;
 
@@ -63,7 +66,7 @@ class DensityController:
                  initial: float | None = None, margin: float = 0.8, backward_share: float = 0.6,
                  latency_s: float = 0.0, window_s: float = 8.0, percentile: float = 20.0,
                  raise_ratio: float = 1.7, hold_s: float = 3.0, levels_per_octave: int = 4,
-                 compute_samples: int = 9):
+                 compute_samples: int = 9, drop_s: float = 1.0, drop_samples: int = 3):
         self.full_bytes = _positive("full_bytes", full_bytes)
         self.max_density = _positive("max_density", max_density)
         self.min_density = _positive("min_density", min_density)
@@ -77,12 +80,14 @@ class DensityController:
         if latency_s < 0 or not 0.0 <= percentile <= 100.0 or raise_ratio < 1.0 or hold_s < 0:
             raise ConfigError(f"need latency_s >= 0, 0 <= percentile <= 100, raise_ratio >= 1, hold_s >= 0 "
                               f"(got {latency_s!r}, {percentile!r}, {raise_ratio!r}, {hold_s!r})")
-        if not isinstance(levels_per_octave, int) or levels_per_octave < 1 or compute_samples < 1:
-            raise ConfigError(f"levels_per_octave and compute_samples must be ints >= 1 "
-                              f"(got {levels_per_octave!r}, {compute_samples!r})")
+        if (not isinstance(levels_per_octave, int) or levels_per_octave < 1 or compute_samples < 1
+                or not isinstance(drop_samples, int) or drop_samples < 1):
+            raise ConfigError(f"levels_per_octave, compute_samples and drop_samples must be ints >= 1 "
+                              f"(got {levels_per_octave!r}, {compute_samples!r}, {drop_samples!r})")
         self.staleness = staleness
         self.margin, self.backward_share, self.latency_s = float(margin), float(backward_share), float(latency_s)
         self.window_s = _positive("window_s", window_s)
+        self.drop_s, self.drop_samples = _positive("drop_s", drop_s), drop_samples
         self.percentile, self.raise_ratio, self.hold_s = float(percentile), float(raise_ratio), float(hold_s)
         self.levels_per_octave = levels_per_octave
         self._bandwidth: deque[tuple[float, float]] = deque()  # (t, bytes/s)
@@ -106,13 +111,18 @@ class DensityController:
 
     # -- output ------------------------------------------------------------------------------------
     def bandwidth_estimate(self, now: float) -> float | None:
-        """The low percentile of the bandwidth samples of the last ``window_s`` seconds (bytes/s)."""
+        """The low percentile of the bandwidth samples of the last ``window_s`` seconds (bytes/s),
+        or the highest of the last ``drop_s`` seconds' where all of those are lower (a drop)."""
         self._tick(now)
         while self._bandwidth and self._bandwidth[0][0] < now - self.window_s:
             self._bandwidth.popleft()
         if not self._bandwidth:
             return None
-        return percentile([rate for _, rate in self._bandwidth], self.percentile)
+        low = percentile([rate for _, rate in self._bandwidth], self.percentile)
+        recent = [rate for t, rate in self._bandwidth if t > now - self.drop_s]
+        if len(recent) >= self.drop_samples and self._bandwidth[0][0] <= now - self.drop_s:
+            return min(low, max(recent))
+        return low
 
     def comm_s(self, density: float, bandwidth_Bps: float) -> float:
         """Predicted exchange time of one step at ``density`` over ``bandwidth_Bps``."""
