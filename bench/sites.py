@@ -93,9 +93,9 @@ def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
     for work, src, dst in works:
         work.wait()
         if rank == dst:
+            done[f"{src}->{dst}"] = time.perf_counter() - started  # the check below is not timed
             if not bool((tensor == src).all()):
                 raise RuntimeError(f"rank {dst} received wrong bytes from rank {src}")
-            done[f"{src}->{dst}"] = time.perf_counter() - started
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"done": done, "wall": (wall, time.time())})
     return {"done": {k: v for part in everyone for k, v in part["done"].items()},
@@ -110,8 +110,9 @@ def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
     dist.barrier()
     time_sends(rank, [(0, 2)], MiB)  # warm-up
     rows, windows = [], []
-    cases = [("send", [(0, 2)], args.send_mib), ("two pipelines", [(0, 2), (1, 3)], args.pipeline_mib)]
-    for op, pairs, mib in cases:
+    cases = {"send": ("send", [(0, 2)], args.send_mib),
+             "pipelines": ("two pipelines", [(0, 2), (1, 3)], args.pipeline_mib)}
+    for op, pairs, mib in (cases[name] for name in args.p2p_cases):
         for _ in range(args.iters):
             result = time_sends(rank, pairs, mib * MiB)
             times = list(result["done"].values())
@@ -120,7 +121,14 @@ def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
             windows.append({"op": op, "mode": mode, "wall": result["wall"]})
     samples: list = [None] * dist.get_world_size()
     dist.all_gather_object(samples, sampler.stop())
-    return rows, [{"windows": windows, "egress": samples}]
+    timeline = {"windows": windows, "egress": samples}
+    if args.trace:
+        from bench import sites_trace
+
+        sites_trace.record_links()
+        timeline["trace"] = [None] * dist.get_world_size()
+        dist.all_gather_object(timeline["trace"], sites_trace.EVENTS)
+    return rows, [timeline]
 PORT = 29700
 
 
@@ -151,6 +159,10 @@ def worker(args) -> None:
 
     os.environ["WANLINK_ADDR"] = args.address
     os.environ["GLOO_SOCKET_IFNAME"] = "lan0"
+    if args.trace:
+        from bench import sites_trace
+
+        sites_trace.install()
     store = dist.TCPStore(args.master, args.port, len(HOSTS), is_master=args.rank == 0,
                           timeout=timedelta(seconds=300))
     dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=len(HOSTS))
@@ -215,11 +227,12 @@ def run_mode(sites, mode: str, args, gloo: bool, parts: list[str], extra_env: di
                   "--port", str(PORT), "--rank-out", out, "--iters", str(args.iters),
                   "--ddp-iterations", str(args.ddp_iterations), "--parts", *parts,
                   "--send-mib", str(args.send_mib), "--pipeline-mib", str(args.pipeline_mib),
-                  "--sizes-mib", *map(str, args.sizes_mib), *(["--gloo"] if gloo else [])]
+                  "--sizes-mib", *map(str, args.sizes_mib), *(["--gloo"] if gloo else []),
+                  "--p2p-cases", *args.p2p_cases, *(["--trace"] if args.trace else [])]
         procs = []
         for rank, name in enumerate(HOSTS):
             env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_SITE": MODES.get(mode, MODES["site-aware"])(name),
-                   **(extra_env or {})}
+                   **({"WANLINK_STREAMS": str(args.streams)} if args.streams else {}), **(extra_env or {})}
             procs.append(sites.popen(name, [*common, "--rank", str(rank), "--address", sites.host(name).addr],
                                      env=env, cwd=ROOT))
         codes = [proc.wait(timeout=3600) for proc in procs]
@@ -299,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--send-mib", type=int, default=256, help="part p2p (b): one send")
     parser.add_argument("--pipeline-mib", type=int, default=128, help="part p2p (c): each pipeline's send")
     parser.add_argument("--ddp-iterations", type=int, default=6, help="per variant; the first two are not counted")
+    parser.add_argument("--streams", type=int, default=None,
+                        help="TCP streams per link on every rank (WANLINK_STREAMS; default: each link probes its own)")
+    parser.add_argument("--p2p-cases", nargs="+", choices=("send", "pipelines"), default=["send", "pipelines"],
+                        help="part p2p: (b) one send, (c) two pipelines")
+    parser.add_argument("--trace", action="store_true",
+                        help="part p2p: record every rank's striping steps and sends (<name>_trace.txt)")
     parser.add_argument("--name", default="sites", help="file name of the JSON and PNG")
     add_output_options(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -349,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
                                     "emulator_cpu_s": cpu, "timelines": timelines}))
     if rows and any(part != "p2p" for part in args.parts):
         print(plot([r for r in rows if r["mode"] not in P2P_MODES], run, args.name))
+    traces = [(t["rate_mbit"], t["windows"][0]["mode"], t.pop("trace")) for t in timelines if "trace" in t]
+    if traces:
+        from bench.sites_trace import summary
+
+        print(run.save_text(f"{args.name}_trace.txt", "".join(
+            f"== {rate:g} Mbit/s per host, {mode}\n" + summary(trace, HOSTS) for rate, mode, trace in traces)))
     if timelines:
         print(plot_timeline(timelines, run, f"{args.name}_timeline"))
     return 0
