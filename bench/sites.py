@@ -249,6 +249,14 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def emulated_packets(sites) -> dict:
+    """What the hosts' WAN emulators forwarded so far: packets read (TSO super-packets), their MSS
+    segments and bytes, summed over hosts and both directions."""
+    counters = [direction for host in sites.stats().values() for direction in host.values()]
+    return {"packets": sum(c["rx_pkts"] for c in counters), "segments": sum(c["rx_segs"] for c in counters),
+            "bytes": sum(c["rx_bytes"] for c in counters)}
+
+
 def case_label(row: dict) -> str:
     return f"{row['op']} {row['size_mib']} MiB" if row["size_mib"] else row["op"]
 
@@ -343,9 +351,11 @@ def main(argv: list[str] | None = None) -> int:
             runs += [(mode, ["p2p"], env) for mode, env in P2P_MODES.items() if "p2p" in args.parts]
             for mode, parts, env in runs:
                 emulators, ranks, wall = sites.cpu_seconds(), children_cpu_seconds(), time.monotonic()
+                packets = emulated_packets(sites)
                 result = run_mode(sites, mode, args, gloo=mode == "flat ring", parts=parts, extra_env=env)
                 cpu[f"{rate:g} {mode}"] = {"emulators": sites.cpu_seconds() - emulators,
-                                           "ranks": children_cpu_seconds() - ranks, "wall": time.monotonic() - wall}
+                                           "ranks": children_cpu_seconds() - ranks, "wall": time.monotonic() - wall,
+                                           **{k: v - packets[k] for k, v in emulated_packets(sites).items()}}
                 stats[mode] = result["stats"]
                 rows += [{**row, "rate_mbit": rate} for row in result["rows"]]
                 timelines += [{**part, "rate_mbit": rate} for part in result["timeline"]]

@@ -9,6 +9,15 @@ together. The next transfer starts only when the last share of the current one i
 no two transfers' WAN phases overlap. Turns go round the pipelines by LocalDPRank (the rank
 after the last owner that has a transfer queued), FIFO within one pipeline.
 
+A member's share of its own pipeline's transfer goes straight onto its WAN link; a share it
+carries for another member first crosses the local network, so its WAN hop starts a local phase
+later. Each member therefore has two rate estimates, one per role (``own`` and ``relayed``, the
+latter the share's length over the whole time from grant to delivery, local phase included), and
+a transfer is split with the source's own rate and the others' relayed rates, so that the shares
+end together although the relayed ones start later. A role not measured yet takes the member's
+first measurement of the other; a role's first measurement replaces the initial estimate, later
+ones are smoothed into it.
+
 The scheduler does no I/O and reads no clock of its own: the caller feeds it events
 (:meth:`CellScheduler.submit`, :meth:`~CellScheduler.progress`, :meth:`~CellScheduler.member_lost`)
 and carries out the actions each returns (:class:`SendShare`, :class:`TransferFinished`,
@@ -105,6 +114,7 @@ class _Transfer:
 class _Share:
     offset: int
     length: int
+    relayed: bool  # carried for another member's transfer (its WAN hop starts after a local phase)
     delivered: int = 0
 
 
@@ -112,7 +122,8 @@ class _Share:
 class _Member:
     rank: int
     local_rank: int
-    rate: float
+    rates: dict[bool, float]  # by role: relayed (True) or its own transfer's share (False)
+    measured: set[bool] = dataclasses.field(default_factory=set)  # the roles measured so far
     alive: bool = True
     shares: collections.deque[_Share] = dataclasses.field(default_factory=collections.deque)
     busy_since: float = 0.0  # when the share at the head of ``shares`` started being sent
@@ -123,7 +134,8 @@ class CellScheduler:
 
     ``ranks`` are the cell's members in LocalDPRank order and ``rates`` their initial WAN rates
     in bytes/s (a probe's estimate or the cloud's cap); ``clock`` returns seconds. ``smoothing``
-    weighs a new rate sample against the old estimate (1: trust the last share only).
+    weighs a new rate sample against the old estimate (1: trust the last share only); the first sample
+    of each role replaces the initial estimate.
     """
 
     def __init__(self, ranks: Sequence[int], rates: Sequence[float], clock: Callable[[], float], *,
@@ -140,7 +152,8 @@ class CellScheduler:
             raise ConfigError(f"share granule must be >= 1 byte, got {granule}")
         if not 0 < smoothing <= 1:
             raise ConfigError(f"rate smoothing must be in (0, 1], got {smoothing}")
-        self._members = {rank: _Member(rank, i, float(rate)) for i, (rank, rate) in enumerate(zip(ranks, rates))}
+        self._members = {rank: _Member(rank, i, {False: float(rate), True: float(rate)})
+                         for i, (rank, rate) in enumerate(zip(ranks, rates))}
         self._clock = clock
         self._granule = granule
         self._smoothing = smoothing
@@ -157,9 +170,10 @@ class CellScheduler:
         """The key of the transfer owning the cell's WAN bandwidth now, or None when idle."""
         return None if self._current is None else self._current.key
 
-    def rates(self) -> dict[int, float]:
-        """Each live member's current WAN rate estimate (bytes/s)."""
-        return {m.rank: m.rate for m in self._members.values() if m.alive}
+    def rates(self, relayed: bool = False) -> dict[int, float]:
+        """Each live member's current WAN rate estimate (bytes/s) for shares of its own transfers,
+        or (``relayed``) for shares it carries for another member, local phase included."""
+        return {m.rank: m.rates[relayed] for m in self._members.values() if m.alive}
 
     def local_rank(self, rank: int) -> int:
         """The LocalDPRank of member ``rank``."""
@@ -178,7 +192,7 @@ class CellScheduler:
         now = self._clock()
         windows = []
         if self._current is not None:
-            end = now + max((sum(s.length - s.delivered for s in m.shares) / m.rate
+            end = now + max((sum((s.length - s.delivered) / m.rates[s.relayed] for s in m.shares)
                              for m in self._members.values() if m.shares), default=0.0)
             windows.append((self._current.key, self._current.started, end))
             now = end
@@ -291,9 +305,10 @@ class CellScheduler:
                         f"(LocalDPRank {member.local_rank}{self._where}) died")
 
     def _live_rates(self, source: int) -> list[tuple[int, float]]:
-        """Live members with the source first (its share needs no hop over the local network)."""
+        """Live members with the source first (its share needs no hop over the local network), each
+        with its rate in its role for this transfer."""
         members = sorted((m for m in self._members.values() if m.alive), key=lambda m: (m.rank != source, m.local_rank))
-        return [(m.rank, m.rate) for m in members]
+        return [(m.rank, m.rates[m.rank != source]) for m in members]
 
     def _split(self, source: int, offset: int, length: int) -> list[tuple[int, int, int]]:
         return [(rank, offset + o, n) for rank, o, n in split_by_rate(length, self._live_rates(source), self._granule)]
@@ -325,7 +340,7 @@ class CellScheduler:
             member = self._members[rank]
             if not member.shares:
                 member.busy_since = now
-            member.shares.append(_Share(offset, length))
+            member.shares.append(_Share(offset, length, relayed=rank != transfer.source))
             actions.append(SendShare(transfer.key, rank, offset, length))
         return actions
 
@@ -333,8 +348,12 @@ class CellScheduler:
         share = member.shares.popleft()
         elapsed = now - member.busy_since
         if elapsed > 0:
-            sample = share.length / elapsed
-            member.rate = (1 - self._smoothing) * member.rate + self._smoothing * sample
+            role, sample = share.relayed, share.length / elapsed
+            weight = self._smoothing if role in member.measured else 1.0  # the first sample replaces the guess
+            member.rates[role] = (1 - weight) * member.rates[role] + weight * sample
+            if not member.measured:
+                member.rates[not role] = sample
+            member.measured.add(role)
         member.busy_since = now
 
     def _finish_turn_if_done(self, now: float, start_next: bool = True) -> list[Action]:
