@@ -14,7 +14,9 @@ Part ``p2p`` (cell-striped point-to-point, docs/sites.md), between ``striped`` (
 sends of 16 MiB and more striped over the cell) and ``direct`` (site-aware, ``WANLINK_STRIPE_MIN_BYTES=0``):
 (b) ``--send-mib`` from a0 to b0 alone; (c) two pipelines at once, a0 -> b0 and a1 -> b1, of
 ``--pipeline-mib`` each (striped: they take turns over the cell; direct: each over its own host's
-link, fair sharing). Seconds from a common barrier to each receive's completion. Every rank
+link, fair sharing); before them each pipeline sends WARM_UP_MIB untimed, so that the cell's scheduler has
+measured every member in both roles (own share, relayed share), as in a pipeline's steady state. Seconds
+from a common barrier to each receive's completion (the bytes are checked after). Every rank
 samples its WAN egress (bytes sent on links to the other site) every 50 ms for the PNG's timeline.
 
 Part ``collectives``: all_reduce of ``--sizes-mib`` (per-rank buffer): the slowest rank's mean
@@ -54,6 +56,7 @@ HOSTS = ("a0", "a1", "b0", "b1")
 MODES = {"site-aware": lambda host: host[0], "flat ring": lambda host: "one-site"}
 P2P_MODES = {"striped": {}, "direct": {"WANLINK_STRIPE_MIN_BYTES": "0"}}  # both site-aware
 SAMPLE_S = 0.05
+WARM_UP_MIB = 32  # part p2p: each pipeline's untimed first send (striped: above the 16 MiB threshold)
 SMOOTH = 5  # samples the timeline's rates are averaged over
 
 
@@ -113,7 +116,9 @@ def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
 
     sampler = EgressSampler()
     dist.barrier()
-    time_sends(rank, [(0, 2)], MiB)  # warm-up
+    time_sends(rank, [(0, 2)], MiB)  # warm-up: links
+    if "pipelines" in args.p2p_cases:  # warm-up: striped, both pipelines' turns measure each member in both roles
+        time_sends(rank, [(0, 2), (1, 3)], WARM_UP_MIB * MiB)
     rows, windows = [], []
     cases = {"send": ("send", [(0, 2)], args.send_mib),
              "pipelines": ("two pipelines", [(0, 2), (1, 3)], args.pipeline_mib)}
