@@ -224,7 +224,8 @@ class CellScheduler:
         return self._start_turn() if self._current is None else []
 
     def progress(self, rank: int, nbytes: int) -> list[Action]:
-        """``nbytes`` more of member ``rank``'s shares were delivered (acknowledged by the receiver).
+        """``nbytes`` more of member ``rank``'s shares were delivered: acknowledged by the receiver, or
+        (what wanlink's striped p2p reports) written into a link that sends them ahead of anything later.
 
         Reports from a member already declared lost are ignored: its remainder was re-split.
         """
