@@ -189,20 +189,30 @@ class RelayingCell(SimulatedCell):
 def test_relayed_shares_get_less_so_a_turns_shares_end_together_despite_the_local_phase():
     rate, local_phase = 50 * MB_S, 0.1
     cell = RelayingCell({0: rate, 1: rate}, local_phase, estimates=[100 * MB_S, 100 * MB_S])
-    for turn in range(8):  # two pipelines, four transfers each, queued at once: turns alternate
-        cell.at(0.0, "submit", turn % 2, 128 * MiB, turn)
+    sizes = [16 * MiB] * 4 + [128 * MiB] * 4  # small transfers first (a warm-up), then large ones
+    for turn, size in enumerate(sizes):  # two pipelines, queued at once: turns alternate
+        cell.at(0.0, "submit", turn % 2, size, turn)
     cell.run()
     cell.assert_exclusive_turns()
     granule_time = MiB / rate
-    for turn in range(3, 8):  # both members measured in both roles after the first two turns
+    for turn in range(2, len(sizes)):  # both members measured in both roles after the first two turns
         ends = cell.turn_ends(turn)
         assert max(ends) - min(ends) <= granule_time + 1e-9, (turn, ends)
         finished = cell.finished[turn]
         # both links busy to the end: the turn lasts its bytes at the cell's rate plus half the local phase
-        assert finished.finished - finished.started == pytest.approx(128 * MiB / (2 * rate) + local_phase / 2,
+        assert finished.finished - finished.started == pytest.approx(sizes[turn] / (2 * rate) + local_phase / 2,
                                                                      abs=granule_time)
     assert cell.scheduler.rates() == pytest.approx({0: rate, 1: rate})
-    assert all(r < rate for r in cell.scheduler.rates(relayed=True).values())
+    assert cell.scheduler.lags() == pytest.approx({0: local_phase, 1: local_phase})
+
+
+def test_a_member_whose_local_phase_outlasts_the_turn_gets_no_share():
+    cell = RelayingCell({0: 50 * MB_S, 1: 50 * MB_S}, local_phase=1.0)
+    for turn in range(4):  # measure both members' lags on 64 MiB transfers
+        cell.at(0.0, "submit", turn % 2, 64 * MiB, turn)
+    cell.at(100.0, "submit", 0, 20 * MiB, "small")  # 0.42 s alone: shorter than rank 1's local phase
+    cell.run()
+    assert [(rank, length) for key, rank, _o, length, _s, _e in cell.segments if key == "small"] == [(0, 20 * MiB)]
 
 
 def test_pipelines_take_turns_by_local_dp_rank_without_overlap():

@@ -11,12 +11,12 @@ after the last owner that has a transfer queued), FIFO within one pipeline.
 
 A member's share of its own pipeline's transfer goes straight onto its WAN link; a share it
 carries for another member first crosses the local network, so its WAN hop starts a local phase
-later. Each member therefore has two rate estimates, one per role (``own`` and ``relayed``, the
-latter the share's length over the whole time from grant to delivery, local phase included), and
-a transfer is split with the source's own rate and the others' relayed rates, so that the shares
-end together although the relayed ones start later. A role not measured yet takes the member's
-first measurement of the other; a role's first measurement replaces the initial estimate, later
-ones are smoothed into it.
+later. Each member therefore has a WAN rate, measured on its own shares, and a *lag*, the local
+phase its relayed shares took beyond their bytes at that rate; a transfer is split so that every
+share ends at the same time T: the source's share is rate x T, a carrier's rate x (T - lag)
+(none where its lag exceeds T), whatever the transfer's size. Until a member's own shares were
+measured, its relayed ones measure its rate (lag 0). A first measurement replaces the initial
+estimate; later ones are smoothed into it.
 
 The scheduler does no I/O and reads no clock of its own: the caller feeds it events
 (:meth:`CellScheduler.submit`, :meth:`~CellScheduler.progress`, :meth:`~CellScheduler.member_lost`)
@@ -122,8 +122,10 @@ class _Share:
 class _Member:
     rank: int
     local_rank: int
-    rates: dict[bool, float]  # by role: relayed (True) or its own transfer's share (False)
-    measured: set[bool] = dataclasses.field(default_factory=set)  # the roles measured so far
+    rate: float  # WAN bytes/s
+    lag: float = 0.0  # seconds a relayed share takes beyond its bytes at ``rate`` (its local phase)
+    measured: set[str] = dataclasses.field(default_factory=set)  # "rate", "relayed rate", "lag": sampled so far
+    relayed_first: tuple[int, float] | None = None  # (bytes, seconds) of a relayed share before the rate was known
     alive: bool = True
     shares: collections.deque[_Share] = dataclasses.field(default_factory=collections.deque)
     busy_since: float = 0.0  # when the share at the head of ``shares`` started being sent
@@ -134,8 +136,8 @@ class CellScheduler:
 
     ``ranks`` are the cell's members in LocalDPRank order and ``rates`` their initial WAN rates
     in bytes/s (a probe's estimate or the cloud's cap); ``clock`` returns seconds. ``smoothing``
-    weighs a new rate sample against the old estimate (1: trust the last share only); the first sample
-    of each role replaces the initial estimate.
+    weighs a new rate or lag sample against the old estimate (1: trust the last share only); the first
+    sample replaces the initial estimate.
     """
 
     def __init__(self, ranks: Sequence[int], rates: Sequence[float], clock: Callable[[], float], *,
@@ -152,8 +154,7 @@ class CellScheduler:
             raise ConfigError(f"share granule must be >= 1 byte, got {granule}")
         if not 0 < smoothing <= 1:
             raise ConfigError(f"rate smoothing must be in (0, 1], got {smoothing}")
-        self._members = {rank: _Member(rank, i, {False: float(rate), True: float(rate)})
-                         for i, (rank, rate) in enumerate(zip(ranks, rates))}
+        self._members = {rank: _Member(rank, i, float(rate)) for i, (rank, rate) in enumerate(zip(ranks, rates))}
         self._clock = clock
         self._granule = granule
         self._smoothing = smoothing
@@ -170,10 +171,13 @@ class CellScheduler:
         """The key of the transfer owning the cell's WAN bandwidth now, or None when idle."""
         return None if self._current is None else self._current.key
 
-    def rates(self, relayed: bool = False) -> dict[int, float]:
-        """Each live member's current WAN rate estimate (bytes/s) for shares of its own transfers,
-        or (``relayed``) for shares it carries for another member, local phase included."""
-        return {m.rank: m.rates[relayed] for m in self._members.values() if m.alive}
+    def rates(self) -> dict[int, float]:
+        """Each live member's current WAN rate estimate (bytes/s)."""
+        return {m.rank: m.rate for m in self._members.values() if m.alive}
+
+    def lags(self) -> dict[int, float]:
+        """Each live member's estimated local phase (seconds) before a share it relays is on its way."""
+        return {m.rank: m.lag for m in self._members.values() if m.alive}
 
     def local_rank(self, rank: int) -> int:
         """The LocalDPRank of member ``rank``."""
@@ -192,7 +196,7 @@ class CellScheduler:
         now = self._clock()
         windows = []
         if self._current is not None:
-            end = now + max((sum((s.length - s.delivered) / m.rates[s.relayed] for s in m.shares)
+            end = now + max((sum(s.length - s.delivered for s in m.shares) / m.rate
                              for m in self._members.values() if m.shares), default=0.0)
             windows.append((self._current.key, self._current.started, end))
             now = end
@@ -201,9 +205,9 @@ class CellScheduler:
         while (rank := self._next_source(queues, last)) is not None:
             transfer = queues[rank].pop(0)
             last = self._members[rank].local_rank
-            rates = dict(self._live_rates(transfer.source))
-            end = now + max((length / rates[r] for r, _o, length in self._split(transfer.source, 0, transfer.nbytes)),
-                            default=0.0)
+            timing = {rank: (rate, lag) for rank, rate, lag in self._live_members(transfer.source)}
+            end = now + max((timing[r][1] + length / timing[r][0]
+                             for r, _o, length in self._split(transfer.source, 0, transfer.nbytes)), default=0.0)
             windows.append((transfer.key, now, end))
             now = end
         return windows
@@ -305,14 +309,23 @@ class CellScheduler:
         return PeerLost(f"transfer {key!r} cannot finish: its source rank {rank} "
                         f"(LocalDPRank {member.local_rank}{self._where}) died")
 
-    def _live_rates(self, source: int) -> list[tuple[int, float]]:
-        """Live members with the source first (its share needs no hop over the local network), each
-        with its rate in its role for this transfer."""
+    def _live_members(self, source: int) -> list[tuple[int, float, float]]:
+        """``(rank, rate, lag)`` of the live members, the source first (its share needs no hop over the
+        local network, so no lag)."""
         members = sorted((m for m in self._members.values() if m.alive), key=lambda m: (m.rank != source, m.local_rank))
-        return [(m.rank, m.rates[m.rank != source]) for m in members]
+        return [(m.rank, m.rate, 0.0 if m.rank == source else m.lag) for m in members]
 
     def _split(self, source: int, offset: int, length: int) -> list[tuple[int, int, int]]:
-        return [(rank, offset + o, n) for rank, o, n in split_by_rate(length, self._live_rates(source), self._granule)]
+        members = self._live_members(source)
+        active = list(members)
+        while True:  # the common end T of the shares; a member whose lag is past T gets nothing
+            end = (length + sum(rate * lag for _r, rate, lag in active)) / sum(rate for _r, rate, _l in active)
+            keep = [m for m in active if m[2] <= end]  # the source (lag 0) always stays
+            if len(keep) == len(active):
+                break
+            active = keep
+        weights = [(rank, rate * (end - lag) if (rank, rate, lag) in active else 0.0) for rank, rate, lag in members]
+        return [(rank, offset + o, n) for rank, o, n in split_by_rate(length, weights, self._granule)]
 
     def _next_source(self, queues, last_turn: int) -> int | None:
         ranks = list(self._members)
@@ -349,13 +362,24 @@ class CellScheduler:
         share = member.shares.popleft()
         elapsed = now - member.busy_since
         if elapsed > 0:
-            role, sample = share.relayed, share.length / elapsed
-            weight = self._smoothing if role in member.measured else 1.0  # the first sample replaces the guess
-            member.rates[role] = (1 - weight) * member.rates[role] + weight * sample
-            if not member.measured:
-                member.rates[not role] = sample
-            member.measured.add(role)
+            if not share.relayed:
+                first = "rate" not in member.measured
+                self._measure(member, "rate", "rate", share.length / elapsed)
+                if first and member.relayed_first is not None:  # the lag of that earlier relayed share
+                    length, seconds = member.relayed_first
+                    self._measure(member, "lag", "lag", max(0.0, seconds - length / member.rate))
+            elif "rate" in member.measured:
+                self._measure(member, "lag", "lag", max(0.0, elapsed - share.length / member.rate))
+            else:  # relayed before any share of its own: it measures the rate for now, the lag taken as 0
+                self._measure(member, "relayed rate", "rate", share.length / elapsed)
+                member.relayed_first = member.relayed_first or (share.length, elapsed)
         member.busy_since = now
+
+    def _measure(self, member: _Member, what: str, field: str, sample: float) -> None:
+        """Smooth ``sample`` into ``member.<field>``; the first sample of its kind ``what`` replaces it."""
+        weight = self._smoothing if what in member.measured else 1.0
+        setattr(member, field, (1 - weight) * getattr(member, field) + weight * sample)
+        member.measured.add(what)
 
     def _finish_turn_if_done(self, now: float, start_next: bool = True) -> list[Action]:
         current = self._current
