@@ -14,7 +14,9 @@ Part ``p2p`` (cell-striped point-to-point, docs/sites.md), between ``striped`` (
 sends of 16 MiB and more striped over the cell) and ``direct`` (site-aware, ``WANLINK_STRIPE_MIN_BYTES=0``):
 (b) ``--send-mib`` from a0 to b0 alone; (c) two pipelines at once, a0 -> b0 and a1 -> b1, of
 ``--pipeline-mib`` each (striped: they take turns over the cell; direct: each over its own host's
-link, fair sharing). Seconds from a common barrier to each receive's completion. Every rank
+link, fair sharing); before them each pipeline sends WARM_UP_MIB untimed, so that the cell's scheduler has
+measured every member in both roles (own share, relayed share), as in a pipeline's steady state. Seconds
+from a common barrier to each receive's completion (the bytes are checked after). Every rank
 samples its WAN egress (bytes sent on links to the other site) every 50 ms for the PNG's timeline.
 
 Part ``collectives``: all_reduce of ``--sizes-mib`` (per-rank buffer): the slowest rank's mean
@@ -22,19 +24,26 @@ seconds, algbw and the ratio to the flat ring. Part ``ddp``: DDP iterations of t
 MLP of bench/e2e_training.py across the 4 ranks, dense and block-sparse (1 %), median seconds per
 iteration after the first two (site-aware and flat ring; no gloo). Needs root (namespaces).
 
+``--streams N`` sets ``WANLINK_STREAMS`` on every rank (both modes alike; unset, each link probes its
+own count when it opens). ``--trace`` (part p2p) records every rank's striping steps (control messages,
+the cell leader's actions, each send and receive of 1 MiB or more per hop with its start and end), each
+rank's and the machine's CPU every 100 ms and every link's stream count, into <name>_trace.txt.
+
     sudo python3 -m bench.sites [--parts collectives ddp p2p] [--rates 250 500] [--sizes-mib 64 256] [--iters 2]
-        [--name sites] [--out DIR | --publish]
+        [--streams N] [--p2p-cases send pipelines] [--trace] [--name sites] [--out DIR | --publish]
 
 Writes <name>.{json,png} to --out (bench/results/ with --publish).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +56,7 @@ HOSTS = ("a0", "a1", "b0", "b1")
 MODES = {"site-aware": lambda host: host[0], "flat ring": lambda host: "one-site"}
 P2P_MODES = {"striped": {}, "direct": {"WANLINK_STRIPE_MIN_BYTES": "0"}}  # both site-aware
 SAMPLE_S = 0.05
+WARM_UP_MIB = 32  # part p2p: each pipeline's untimed first send (striped: above the 16 MiB threshold)
 SMOOTH = 5  # samples the timeline's rates are averaged over
 
 
@@ -54,8 +64,6 @@ class EgressSampler:
     """Samples this rank's WAN egress (bytes sent on links to another site) every SAMPLE_S seconds."""
 
     def __init__(self):
-        import threading
-
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -93,9 +101,9 @@ def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
     for work, src, dst in works:
         work.wait()
         if rank == dst:
+            done[f"{src}->{dst}"] = time.perf_counter() - started  # the check below is not timed
             if not bool((tensor == src).all()):
                 raise RuntimeError(f"rank {dst} received wrong bytes from rank {src}")
-            done[f"{src}->{dst}"] = time.perf_counter() - started
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"done": done, "wall": (wall, time.time())})
     return {"done": {k: v for part in everyone for k, v in part["done"].items()},
@@ -108,10 +116,13 @@ def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
 
     sampler = EgressSampler()
     dist.barrier()
-    time_sends(rank, [(0, 2)], MiB)  # warm-up
+    time_sends(rank, [(0, 2)], MiB)  # warm-up: links
+    if "pipelines" in args.p2p_cases:  # warm-up: striped, both pipelines' turns measure each member in both roles
+        time_sends(rank, [(0, 2), (1, 3)], WARM_UP_MIB * MiB)
     rows, windows = [], []
-    cases = [("send", [(0, 2)], args.send_mib), ("two pipelines", [(0, 2), (1, 3)], args.pipeline_mib)]
-    for op, pairs, mib in cases:
+    cases = {"send": ("send", [(0, 2)], args.send_mib),
+             "pipelines": ("two pipelines", [(0, 2), (1, 3)], args.pipeline_mib)}
+    for op, pairs, mib in (cases[name] for name in args.p2p_cases):
         for _ in range(args.iters):
             result = time_sends(rank, pairs, mib * MiB)
             times = list(result["done"].values())
@@ -120,7 +131,12 @@ def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
             windows.append({"op": op, "mode": mode, "wall": result["wall"]})
     samples: list = [None] * dist.get_world_size()
     dist.all_gather_object(samples, sampler.stop())
-    return rows, [{"windows": windows, "egress": samples}]
+    timeline = {"windows": windows, "egress": samples}
+    if args.trace:
+        trace_links()
+        timeline["trace"] = [None] * dist.get_world_size()
+        dist.all_gather_object(timeline["trace"], TRACE_EVENTS)
+    return rows, [timeline]
 PORT = 29700
 
 
@@ -151,6 +167,8 @@ def worker(args) -> None:
 
     os.environ["WANLINK_ADDR"] = args.address
     os.environ["GLOO_SOCKET_IFNAME"] = "lan0"
+    if args.trace:
+        install_trace()
     store = dist.TCPStore(args.master, args.port, len(HOSTS), is_master=args.rank == 0,
                           timeout=timedelta(seconds=300))
     dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=len(HOSTS))
@@ -215,11 +233,12 @@ def run_mode(sites, mode: str, args, gloo: bool, parts: list[str], extra_env: di
                   "--port", str(PORT), "--rank-out", out, "--iters", str(args.iters),
                   "--ddp-iterations", str(args.ddp_iterations), "--parts", *parts,
                   "--send-mib", str(args.send_mib), "--pipeline-mib", str(args.pipeline_mib),
-                  "--sizes-mib", *map(str, args.sizes_mib), *(["--gloo"] if gloo else [])]
+                  "--sizes-mib", *map(str, args.sizes_mib), *(["--gloo"] if gloo else []),
+                  "--p2p-cases", *args.p2p_cases, *(["--trace"] if args.trace else [])]
         procs = []
         for rank, name in enumerate(HOSTS):
             env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_SITE": MODES.get(mode, MODES["site-aware"])(name),
-                   **(extra_env or {})}
+                   **({"WANLINK_STREAMS": str(args.streams)} if args.streams else {}), **(extra_env or {})}
             procs.append(sites.popen(name, [*common, "--rank", str(rank), "--address", sites.host(name).addr],
                                      env=env, cwd=ROOT))
         codes = [proc.wait(timeout=3600) for proc in procs]
@@ -234,6 +253,14 @@ def children_cpu_seconds() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def emulated_packets(sites) -> dict:
+    """What the hosts' WAN emulators forwarded so far: packets read (TSO super-packets), their MSS
+    segments and bytes, summed over hosts and both directions."""
+    counters = [direction for host in sites.stats().values() for direction in host.values()]
+    return {"packets": sum(c["rx_pkts"] for c in counters), "segments": sum(c["rx_segs"] for c in counters),
+            "bytes": sum(c["rx_bytes"] for c in counters)}
 
 
 def case_label(row: dict) -> str:
@@ -288,6 +315,111 @@ def plot_timeline(timelines: list[dict], run, name: str) -> Path:
     return run.save_figure(fig, name)
 
 
+# -- --trace: what every rank's striping did, when ------------------------------------------------
+TRACE_MIN_BYTES = 1 << 20  # sends and receives traced: of this size or more
+TRACE_CPU_S = 0.1
+TRACE_EVENTS: list[tuple] = []  # (wall seconds, event, fields...) of this rank
+
+
+def _record(*event) -> None:
+    TRACE_EVENTS.append((time.time(), *event))
+
+
+def install_trace() -> None:
+    """Wrap the striping service and the links' sends and receives (once per process): control messages,
+    the cell leader's actions, every send and receive of TRACE_MIN_BYTES or more with its start and end;
+    and sample this rank's CPU and the machine's every TRACE_CPU_S."""
+    from wanlink.c10d import striped_p2p
+    from wanlink.io import link as link_module
+
+    service = striped_p2p.StripedP2P
+    original_dispatch, original_carry_out = service._dispatch, service._carry_out
+
+    def dispatch(self, peer, message):
+        if isinstance(message, list) and message:
+            _record("control", peer, message[0], message[1:4] if message[0] != "grant" else message[1:])
+        return original_dispatch(self, peer, message)
+
+    def carry_out(self, actions):
+        _record("actions", [type(a).__name__ + repr(getattr(a, "key", "")) for a in actions])
+        return original_carry_out(self, actions)
+
+    service._dispatch, service._carry_out = dispatch, carry_out
+    threading.Thread(target=_sample_cpu, daemon=True).start()
+    link_class = link_module.Link
+    for name in ("send", "recv_into"):
+        setattr(link_class, name, _timed(getattr(link_class, name), name))
+
+
+def trace_links() -> None:
+    """Every link's stream count and chunk size (the probe chose them when the link opened)."""
+    import wanlink
+
+    _record("links", {key: (link["streams"], link["chunk_size"] >> 10) for key, link in wanlink.stats().items()})
+
+
+def _sample_cpu() -> None:
+    """Every TRACE_CPU_S: this process's CPU seconds and the machine's busy and total jiffies."""
+    while True:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+        TRACE_EVENTS.append((time.time(), "cpu", time.process_time(), sum(fields) - fields[3] - fields[4], sum(fields)))
+        time.sleep(TRACE_CPU_S)
+
+
+def _timed(method, name: str):
+    @functools.wraps(method)
+    async def wrapper(self, buffer, *args, **kwargs):
+        size = memoryview(buffer).nbytes
+        if size < TRACE_MIN_BYTES:
+            return await method(self, buffer, *args, **kwargs)
+        started = time.time()
+        try:
+            return await method(self, buffer, *args, **kwargs)
+        finally:
+            peer = self.labels.get("peer_rank", self.peer)
+            TRACE_EVENTS.append((started, name, peer, kwargs.get("tag"), size, time.time()))
+    return wrapper
+
+
+def trace_summary(per_rank: list[list[tuple]], hosts: tuple[str, ...]) -> str:
+    """The ranks' events in time order, one a line, peers named by host: the striping service's
+    control messages and actions, and per (rank, send or receive, peer, tag) the first start, the
+    last end, how many messages and MiB; then the CPU samples."""
+    origin = min(event[0] for events in per_rank for event in events)
+    transfers: dict[tuple, list] = {}
+    lines = []
+    for rank, events in enumerate(per_rank):
+        for event in events:
+            if event[1] in ("send", "recv_into") and event[3] is not None and event[3] >= 0:
+                started, kind, peer, tag, size, ended = event
+                key = (hosts[rank], kind, hosts[peer] if isinstance(peer, int) else peer, tag)
+                entry = transfers.setdefault(key, [started, ended, 0, 0])
+                entry[0], entry[1] = min(entry[0], started), max(entry[1], ended)
+                entry[2] += 1
+                entry[3] += size
+            elif event[1] not in ("send", "recv_into", "cpu"):
+                text = " ".join(map(str, event[1:]))
+                lines.append((event[0], f"{event[0] - origin:8.3f} {'':8s} {hosts[rank]} {text}"))
+    for (host, kind, peer, tag), (started, ended, count, size) in transfers.items():
+        lines.append((started, f"{started - origin:8.3f} {ended - origin:8.3f} {host} {kind:9s} "
+                               f"{'->' if kind == 'send' else '<-'} {peer} {count} x {size / count / 2**20:.1f} MiB "
+                               f"tag {tag:#x}"))
+    return "\n".join([line for _t, line in sorted(lines)] + _cpu_lines(per_rank, hosts, origin)) + "\n"
+
+
+def _cpu_lines(per_rank: list[list[tuple]], hosts: tuple[str, ...], origin: float) -> list[str]:
+    """Per TRACE_CPU_S: the machine's busy share (of all cores) and each rank's CPU share of one core."""
+    samples = [[e for e in events if e[1] == "cpu"] for events in per_rank]
+    lines = ["cpu: seconds, machine busy % of all cores, then each rank's % of one core"]
+    for i in range(1, min(map(len, samples))):
+        (_t0, _c, _p0, busy0, total0), (t1, _c1, _p1, busy1, total1) = samples[0][i - 1], samples[0][i]
+        ranks = [(s[i][2] - s[i - 1][2]) / max(s[i][0] - s[i - 1][0], 1e-9) for s in samples]
+        lines.append(f"cpu {t1 - origin:8.2f} {100 * (busy1 - busy0) / max(total1 - total0, 1):4.0f} "
+                     + " ".join(f"{host}={100 * r:3.0f}" for host, r in zip(hosts, ranks)))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[250, 500], help="WAN egress cap per host, Mbit/s")
@@ -299,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--send-mib", type=int, default=256, help="part p2p (b): one send")
     parser.add_argument("--pipeline-mib", type=int, default=128, help="part p2p (c): each pipeline's send")
     parser.add_argument("--ddp-iterations", type=int, default=6, help="per variant; the first two are not counted")
+    parser.add_argument("--streams", type=int, default=None,
+                        help="TCP streams per link on every rank (WANLINK_STREAMS; default: each link probes its own)")
+    parser.add_argument("--p2p-cases", nargs="+", choices=("send", "pipelines"), default=["send", "pipelines"],
+                        help="part p2p: (b) one send, (c) two pipelines")
+    parser.add_argument("--trace", action="store_true",
+                        help="part p2p: record every rank's striping steps and sends (<name>_trace.txt)")
     parser.add_argument("--name", default="sites", help="file name of the JSON and PNG")
     add_output_options(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -324,9 +462,11 @@ def main(argv: list[str] | None = None) -> int:
             runs += [(mode, ["p2p"], env) for mode, env in P2P_MODES.items() if "p2p" in args.parts]
             for mode, parts, env in runs:
                 emulators, ranks, wall = sites.cpu_seconds(), children_cpu_seconds(), time.monotonic()
+                packets = emulated_packets(sites)
                 result = run_mode(sites, mode, args, gloo=mode == "flat ring", parts=parts, extra_env=env)
                 cpu[f"{rate:g} {mode}"] = {"emulators": sites.cpu_seconds() - emulators,
-                                           "ranks": children_cpu_seconds() - ranks, "wall": time.monotonic() - wall}
+                                           "ranks": children_cpu_seconds() - ranks, "wall": time.monotonic() - wall,
+                                           **{k: v - packets[k] for k, v in emulated_packets(sites).items()}}
                 stats[mode] = result["stats"]
                 rows += [{**row, "rate_mbit": rate} for row in result["rows"]]
                 timelines += [{**part, "rate_mbit": rate} for part in result["timeline"]]
@@ -345,10 +485,14 @@ def main(argv: list[str] | None = None) -> int:
                        ("speedup", "x baseline (flat ring / direct)", ".2f"), ("mean_speedup", "x mean", ".2f")])
     print(f"CPU seconds per mode (emulators, ranks) and its wall seconds: {cpu}")
     print(f"load before {run.load_before}, after {run.header()['load_after']}")
+    traces = [(t["rate_mbit"], t["windows"][0]["mode"], t.pop("trace")) for t in timelines if "trace" in t]
     print(run.save_json(args.name, {"rtt_ms": args.rtt_ms, "iters": args.iters, "rows": rows, "site_maps": stats,
                                     "emulator_cpu_s": cpu, "timelines": timelines}))
     if rows and any(part != "p2p" for part in args.parts):
         print(plot([r for r in rows if r["mode"] not in P2P_MODES], run, args.name))
+    if traces:
+        print(run.save_text(f"{args.name}_trace.txt", "".join(
+            f"== {rate:g} Mbit/s per host, {mode}\n" + trace_summary(trace, HOSTS) for rate, mode, trace in traces)))
     if timelines:
         print(plot_timeline(timelines, run, f"{args.name}_timeline"))
     return 0

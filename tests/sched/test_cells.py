@@ -164,6 +164,57 @@ def test_rates_are_measured_from_finished_shares():
     assert second.finished - second.started == pytest.approx(40 * MiB / (4 * MB_S))
 
 
+class RelayingCell(SimulatedCell):
+    """A SimulatedCell whose members start a share they carry for another member's transfer only
+    ``local_phase`` seconds after the grant (the share first crosses the local network)."""
+
+    def __init__(self, true_rates, local_phase, **kwargs):
+        super().__init__(true_rates, **kwargs)
+        self.local_phase, self.sources = local_phase, {}
+
+    def _submit(self, source, nbytes, key):
+        self.sources[key] = source
+        super()._submit(source, nbytes, key)
+
+    def apply(self, actions):
+        super().apply(actions)
+        for action in actions:
+            if isinstance(action, SendShare) and action.rank != self.sources[action.key]:
+                self.pending[action.rank][-1][1] += self.local_phase * self.true_rates[action.rank]
+
+    def turn_ends(self, key):
+        return [end for k, _rank, _offset, _length, _start, end in self.segments if k == key]
+
+
+def test_relayed_shares_get_less_so_a_turns_shares_end_together_despite_the_local_phase():
+    rate, local_phase = 50 * MB_S, 0.1
+    cell = RelayingCell({0: rate, 1: rate}, local_phase, estimates=[100 * MB_S, 100 * MB_S])
+    sizes = [16 * MiB] * 4 + [128 * MiB] * 4  # small transfers first (a warm-up), then large ones
+    for turn, size in enumerate(sizes):  # two pipelines, queued at once: turns alternate
+        cell.at(0.0, "submit", turn % 2, size, turn)
+    cell.run()
+    cell.assert_exclusive_turns()
+    granule_time = MiB / rate
+    for turn in range(2, len(sizes)):  # both members measured in both roles after the first two turns
+        ends = cell.turn_ends(turn)
+        assert max(ends) - min(ends) <= granule_time + 1e-9, (turn, ends)
+        finished = cell.finished[turn]
+        # both links busy to the end: the turn lasts its bytes at the cell's rate plus half the local phase
+        assert finished.finished - finished.started == pytest.approx(sizes[turn] / (2 * rate) + local_phase / 2,
+                                                                     abs=granule_time)
+    assert cell.scheduler.rates() == pytest.approx({0: rate, 1: rate})
+    assert cell.scheduler.lags() == pytest.approx({0: local_phase, 1: local_phase})
+
+
+def test_a_member_whose_local_phase_outlasts_the_turn_gets_no_share():
+    cell = RelayingCell({0: 50 * MB_S, 1: 50 * MB_S}, local_phase=1.0)
+    for turn in range(4):  # measure both members' lags on 64 MiB transfers
+        cell.at(0.0, "submit", turn % 2, 64 * MiB, turn)
+    cell.at(100.0, "submit", 0, 20 * MiB, "small")  # 0.42 s alone: shorter than rank 1's local phase
+    cell.run()
+    assert [(rank, length) for key, rank, _o, length, _s, _e in cell.segments if key == "small"] == [(0, 20 * MiB)]
+
+
 def test_pipelines_take_turns_by_local_dp_rank_without_overlap():
     cell = SimulatedCell({10: MB_S, 11: MB_S, 12: MB_S})
     for pipeline in (12, 10, 11):

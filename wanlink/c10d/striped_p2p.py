@@ -6,7 +6,8 @@ member of A at once: the source asks its cell's leader (LocalDPRank 0, which run
 member; each share goes source -> carrier (local network) -> partner in B (the carrier's WAN
 link) -> destination (B's local network), as consecutive pieces, and the destination receives
 every piece straight into the posted tensor. Two transfers of one cell take turns: the next is
-granted when every member reported its WAN hop of the current one done.
+granted when every member reported its WAN hop of the current one written into the kernel (its
+last bytes still in flight there, ahead of the next transfer's on the same link).
 
 Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
 reads the control messages of all its links on the loop thread and relays what it is asked to.
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 RESERVED_GROUP = "wanlink/striped-p2p"
 """Group name whose tag slot the striped transfers' data travels on."""
 RELAY_WINDOW = 4
-"""Pieces a relay holds at once per share (received and not yet acknowledged onward)."""
+"""Pieces a relay holds at once per share (received and not yet written onward into the kernel)."""
 NOMINAL_RATE = 100e6
 """Initial WAN rate of every member (bytes/s): equal shares until finished shares measure them."""
 SERIALS = 1 << 22
@@ -224,8 +225,17 @@ class StripedP2P:
             self._tell(origin, ["grant", serial, shares])
 
     def _lost(self, peer: int) -> None:
-        if self.scheduler is not None and peer in self.sites.cell(self.rank):
-            self._carry_out(self.scheduler.member_lost(peer))
+        if self.scheduler is None or peer not in self.sites.cell(self.rank):
+            return
+        actions = self.scheduler.member_lost(peer)
+        # The scheduler re-splits the lost member's undelivered share over the survivors, but its
+        # bytes are gone with it (a striped transfer does not finish over the survivors): the
+        # transfer's ends fail naming it, and its turn ends here so the next can start.
+        broken = {a.key for a in actions if isinstance(a, SendShare) and a.key in self._granted}
+        for key in broken:
+            self._granted.discard(key)
+            actions = [a for a in actions if a.key != key] + self.scheduler.cancel(key)
+        self._carry_out(actions)
 
     # -- both ends and the relays --------------------------------------------------------------
     async def _watching(self, ranks, awaitable: Awaitable, what: str, role: str):
@@ -285,11 +295,23 @@ class StripedP2P:
             self._grants.pop((self.rank, serial), None)
 
     async def _send_pieces(self, rank: int, tag: int, share: torch.Tensor, report: tuple | None = None) -> None:
-        """Send ``share`` to ``rank`` as pieces on ``tag``; ``report``: tell the leader when acknowledged."""
+        """Send ``share`` to ``rank`` as pieces on ``tag``.
+
+        To a carrier (local network): RELAY_WINDOW pieces at a time, each until the carrier holds it,
+        so its first piece goes at the full local rate (not interleaved with the whole share's) and
+        the carrier stages at most a window beyond the pieces it has posted. The WAN hop (``report``):
+        every piece at once, until all of it is written into the kernel (its last bytes queue there
+        ahead of whatever this link sends next), then tell the leader.
+        """
         link = await self.mesh.link(rank)
         view = as_buffer(share)
-        await gather_all([link.send(view[offset:offset + size], tag=tag)
-                          for offset, size in pieces(len(view), self.piece_bytes)])
+        window = asyncio.Semaphore(RELAY_WINDOW if report is None else max(1, len(view)))
+
+        async def send_piece(offset: int, size: int) -> None:
+            async with window:
+                await link.send(view[offset:offset + size], tag=tag, until="acked" if report is None else "written")
+
+        await gather_all([send_piece(offset, size) for offset, size in pieces(len(view), self.piece_bytes)])
         if report is not None:
             self._tell(self.leader, ["done", *report, len(view)])
 
@@ -326,13 +348,18 @@ class StripedP2P:
             if next_hop != destination:
                 outbound.send_control(["relay", origin, serial, index, destination, destination, length, piece_bytes])
             window = asyncio.Semaphore(RELAY_WINDOW)
+            free: list[memoryview] = []  # piece buffers whose forward was written: reused
             sends = []
             for _offset, size in pieces(length, piece_bytes):
                 await window.acquire()
-                piece = bytearray(size)
-                await inbound.recv_into(piece, tag=tag)
-                forward = asyncio.ensure_future(outbound.send(piece, tag=tag))
-                forward.add_done_callback(lambda _done: window.release())
+                buffer = free.pop() if free else memoryview(bytearray(piece_bytes))
+                await inbound.recv_into(buffer[:size], tag=tag)
+                forward = asyncio.ensure_future(outbound.send(buffer[:size], tag=tag, until="written"))
+
+                def reuse(_forward, buffer=buffer) -> None:
+                    free.append(buffer)
+                    window.release()
+                forward.add_done_callback(reuse)
                 sends.append(forward)
             await gather_all(sends)
             self.relayed_bytes += length

@@ -9,6 +9,15 @@ together. The next transfer starts only when the last share of the current one i
 no two transfers' WAN phases overlap. Turns go round the pipelines by LocalDPRank (the rank
 after the last owner that has a transfer queued), FIFO within one pipeline.
 
+A member's share of its own pipeline's transfer goes straight onto its WAN link; a share it
+carries for another member first crosses the local network, so its WAN hop starts a local phase
+later. Each member therefore has a WAN rate, measured on its own shares, and a *lag*, the local
+phase its relayed shares took beyond their bytes at that rate; a transfer is split so that every
+share ends at the same time T: the source's share is rate x T, a carrier's rate x (T - lag)
+(none where its lag exceeds T), whatever the transfer's size. Until a member's own shares were
+measured, its relayed ones measure its rate (lag 0). A first measurement replaces the initial
+estimate; later ones are smoothed into it.
+
 The scheduler does no I/O and reads no clock of its own: the caller feeds it events
 (:meth:`CellScheduler.submit`, :meth:`~CellScheduler.progress`, :meth:`~CellScheduler.member_lost`)
 and carries out the actions each returns (:class:`SendShare`, :class:`TransferFinished`,
@@ -105,6 +114,7 @@ class _Transfer:
 class _Share:
     offset: int
     length: int
+    relayed: bool  # carried for another member's transfer (its WAN hop starts after a local phase)
     delivered: int = 0
 
 
@@ -112,7 +122,10 @@ class _Share:
 class _Member:
     rank: int
     local_rank: int
-    rate: float
+    rate: float  # WAN bytes/s
+    lag: float = 0.0  # seconds a relayed share takes beyond its bytes at ``rate`` (its local phase)
+    measured: set[str] = dataclasses.field(default_factory=set)  # "rate", "relayed rate", "lag": sampled so far
+    relayed_first: tuple[int, float] | None = None  # (bytes, seconds) of a relayed share before the rate was known
     alive: bool = True
     shares: collections.deque[_Share] = dataclasses.field(default_factory=collections.deque)
     busy_since: float = 0.0  # when the share at the head of ``shares`` started being sent
@@ -123,7 +136,8 @@ class CellScheduler:
 
     ``ranks`` are the cell's members in LocalDPRank order and ``rates`` their initial WAN rates
     in bytes/s (a probe's estimate or the cloud's cap); ``clock`` returns seconds. ``smoothing``
-    weighs a new rate sample against the old estimate (1: trust the last share only).
+    weighs a new rate or lag sample against the old estimate (1: trust the last share only); the first
+    sample replaces the initial estimate.
     """
 
     def __init__(self, ranks: Sequence[int], rates: Sequence[float], clock: Callable[[], float], *,
@@ -161,6 +175,10 @@ class CellScheduler:
         """Each live member's current WAN rate estimate (bytes/s)."""
         return {m.rank: m.rate for m in self._members.values() if m.alive}
 
+    def lags(self) -> dict[int, float]:
+        """Each live member's estimated local phase (seconds) before a share it relays is on its way."""
+        return {m.rank: m.lag for m in self._members.values() if m.alive}
+
     def local_rank(self, rank: int) -> int:
         """The LocalDPRank of member ``rank``."""
         return self._member(rank).local_rank
@@ -187,9 +205,9 @@ class CellScheduler:
         while (rank := self._next_source(queues, last)) is not None:
             transfer = queues[rank].pop(0)
             last = self._members[rank].local_rank
-            rates = dict(self._live_rates(transfer.source))
-            end = now + max((length / rates[r] for r, _o, length in self._split(transfer.source, 0, transfer.nbytes)),
-                            default=0.0)
+            timing = {rank: (rate, lag) for rank, rate, lag in self._live_members(transfer.source)}
+            end = now + max((timing[r][1] + length / timing[r][0]
+                             for r, _o, length in self._split(transfer.source, 0, transfer.nbytes)), default=0.0)
             windows.append((transfer.key, now, end))
             now = end
         return windows
@@ -210,7 +228,8 @@ class CellScheduler:
         return self._start_turn() if self._current is None else []
 
     def progress(self, rank: int, nbytes: int) -> list[Action]:
-        """``nbytes`` more of member ``rank``'s shares were delivered (acknowledged by the receiver).
+        """``nbytes`` more of member ``rank``'s shares were delivered: acknowledged by the receiver, or
+        (what wanlink's striped p2p reports) written into a link that sends them ahead of anything later.
 
         Reports from a member already declared lost are ignored: its remainder was re-split.
         """
@@ -290,13 +309,23 @@ class CellScheduler:
         return PeerLost(f"transfer {key!r} cannot finish: its source rank {rank} "
                         f"(LocalDPRank {member.local_rank}{self._where}) died")
 
-    def _live_rates(self, source: int) -> list[tuple[int, float]]:
-        """Live members with the source first (its share needs no hop over the local network)."""
+    def _live_members(self, source: int) -> list[tuple[int, float, float]]:
+        """``(rank, rate, lag)`` of the live members, the source first (its share needs no hop over the
+        local network, so no lag)."""
         members = sorted((m for m in self._members.values() if m.alive), key=lambda m: (m.rank != source, m.local_rank))
-        return [(m.rank, m.rate) for m in members]
+        return [(m.rank, m.rate, 0.0 if m.rank == source else m.lag) for m in members]
 
     def _split(self, source: int, offset: int, length: int) -> list[tuple[int, int, int]]:
-        return [(rank, offset + o, n) for rank, o, n in split_by_rate(length, self._live_rates(source), self._granule)]
+        members = self._live_members(source)
+        active = list(members)
+        while True:  # the common end T of the shares; a member whose lag is past T gets nothing
+            end = (length + sum(rate * lag for _r, rate, lag in active)) / sum(rate for _r, rate, _l in active)
+            keep = [m for m in active if m[2] <= end]  # the source (lag 0) always stays
+            if len(keep) == len(active):
+                break
+            active = keep
+        weights = [(rank, rate * (end - lag) if (rank, rate, lag) in active else 0.0) for rank, rate, lag in members]
+        return [(rank, offset + o, n) for rank, o, n in split_by_rate(length, weights, self._granule)]
 
     def _next_source(self, queues, last_turn: int) -> int | None:
         ranks = list(self._members)
@@ -325,7 +354,7 @@ class CellScheduler:
             member = self._members[rank]
             if not member.shares:
                 member.busy_since = now
-            member.shares.append(_Share(offset, length))
+            member.shares.append(_Share(offset, length, relayed=rank != transfer.source))
             actions.append(SendShare(transfer.key, rank, offset, length))
         return actions
 
@@ -333,9 +362,24 @@ class CellScheduler:
         share = member.shares.popleft()
         elapsed = now - member.busy_since
         if elapsed > 0:
-            sample = share.length / elapsed
-            member.rate = (1 - self._smoothing) * member.rate + self._smoothing * sample
+            if not share.relayed:
+                first = "rate" not in member.measured
+                self._measure(member, "rate", "rate", share.length / elapsed)
+                if first and member.relayed_first is not None:  # the lag of that earlier relayed share
+                    length, seconds = member.relayed_first
+                    self._measure(member, "lag", "lag", max(0.0, seconds - length / member.rate))
+            elif "rate" in member.measured:
+                self._measure(member, "lag", "lag", max(0.0, elapsed - share.length / member.rate))
+            else:  # relayed before any share of its own: it measures the rate for now, the lag taken as 0
+                self._measure(member, "relayed rate", "rate", share.length / elapsed)
+                member.relayed_first = member.relayed_first or (share.length, elapsed)
         member.busy_since = now
+
+    def _measure(self, member: _Member, what: str, field: str, sample: float) -> None:
+        """Smooth ``sample`` into ``member.<field>``; the first sample of its kind ``what`` replaces it."""
+        weight = self._smoothing if what in member.measured else 1.0
+        setattr(member, field, (1 - weight) * getattr(member, field) + weight * sample)
+        member.measured.add(what)
 
     def _finish_turn_if_done(self, now: float, start_next: bool = True) -> list[Action]:
         current = self._current
