@@ -674,3 +674,62 @@ async def test_pending_says_what_a_stuck_link_still_sends_and_awaits(pair):
     await sending
     assert pair.client.pending()["sends_pending"] == 0
     receiving.cancel()
+
+
+async def test_eager_credit_comes_back_in_batches_and_a_short_sender_still_completes():
+    budget = 2 * MiB  # batches of budget / 16 = 128 KiB
+    p = await open_pair(1, server_options={"limits": Limits(max_unexpected_bytes=budget)})
+    try:
+        for seq in range(3):  # 96 KiB of eager bytes staged, then claimed: less than a batch
+            await p.client.send(bytes([seq]) * 32 * 1024, tag=3)
+            out = bytearray(32 * 1024)
+            await p.accepted.recv_into(out, tag=3)
+            assert out == bytes([seq]) * len(out)
+        await asyncio.sleep(0.05)
+        assert p.client.flow.credit == budget - 96 * 1024  # nothing returned yet
+        await asyncio.gather(p.client.send(b"x" * 64 * 1024, tag=3), p.accepted.recv_into(bytearray(64 * 1024), tag=3))
+        for _ in range(100):  # 160 KiB due: one CREDIT returns all of it
+            if p.client.flow.credit == budget:
+                break
+            await asyncio.sleep(0.01)
+        assert p.client.flow.credit == budget
+        p.client.flow.credit = 1024  # a sender short of credit (what is held back): its message waits
+        sending = asyncio.ensure_future(p.client.send(pattern(MiB, 5), tag=4))  # for the receive's grant
+        out = bytearray(MiB)
+        await asyncio.wait_for(asyncio.gather(sending, p.accepted.recv_into(out, tag=4)), 10)
+        assert out == pattern(MiB, 5)
+    finally:
+        await p.close()
+
+
+class CountingSocket:
+    """A socket that counts sendmsg calls (everything else goes to the real one)."""
+
+    def __init__(self, sock):
+        self._sock, self.sendmsg_calls = sock, 0
+
+    def sendmsg(self, parts):
+        self.sendmsg_calls += 1
+        return self._sock.sendmsg(parts)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+async def test_frames_queued_while_held_leave_in_one_write_and_the_receives_complete():
+    p = await open_pair(1)
+    try:
+        stream = p.accepted._streams[0]
+        stream.sock = counting = CountingSocket(stream.sock)
+        outs = [bytearray(1000) for _ in range(3)]
+        p.accepted.hold_frames()  # as a readable event does: three grants queued, none written
+        receives = [asyncio.ensure_future(p.accepted.recv_into(out, tag=tag)) for tag, out in enumerate(outs)]
+        await asyncio.sleep(0)
+        assert counting.sendmsg_calls == 0 and len(stream.control) == 3
+        p.accepted.release_frames()
+        assert counting.sendmsg_calls == 1 and not stream.control
+        await asyncio.gather(*(p.client.send(bytes([tag]) * 1000, tag=tag) for tag in range(3)))
+        await asyncio.wait_for(asyncio.gather(*receives), 10)
+        assert [out[0] for out in outs] == [0, 1, 2]
+    finally:
+        await p.close()
