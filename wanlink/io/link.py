@@ -591,7 +591,7 @@ class Link:
                 return
             stream = streams[(self._wake_start + i) % count]
             if stream.alive:
-                stream.kick()
+                stream.kick(chunks=True)
 
     def _wake_writers(self) -> None:
         """Wake every idle writer, starting one further each time so small messages spread over streams."""

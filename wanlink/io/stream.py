@@ -71,15 +71,16 @@ class Stream:
         self.control.append(frame)
         self.wake.set()
 
-    def kick(self) -> None:
-        """Write queued control frames, then queued chunks, now, while the kernel takes all of each;
-        a frame it takes part of is finished by the writer task (woken for it)."""
+    def kick(self, chunks: bool = False) -> None:
+        """Write queued control frames now (with ``chunks``, then queued chunks too: the link's
+        end-of-iteration call, so that sends queued together leave in deadline order) while the kernel
+        takes all of each; a frame it takes part of is finished by the writer task (woken for it)."""
         if not self.alive or self._unsent is not None or self.closing or self._writer is None:
             if self.alive:
                 self.wake.set()
             return
         try:
-            if not self._write_ready():
+            if not self._write_ready(chunks):
                 self.wake.set()
         except Exception as exc:  # noqa: BLE001 - see _failed
             self._failed(exc)
@@ -178,8 +179,8 @@ class Stream:
             self.wake.clear()
             await self.wake.wait()
 
-    def _write_ready(self) -> bool:
-        """Write control frames, then chunks from the link's queue, while the kernel takes every byte.
+    def _write_ready(self, chunks: bool = True) -> bool:
+        """Write control frames, then (``chunks``) chunks from the link's queue, while the kernel takes every byte.
         False when it stopped on a frame the kernel took part of (``_unsent`` holds the rest).
         (A closing stream sends its control frames, an ABORT among them, after the link let go of it.)"""
         while True:
@@ -190,7 +191,7 @@ class Stream:
                 if not self._write(frames, None):
                     return False
                 continue
-            if self.closing:
+            if self.closing or not chunks:
                 return True
             link = self.link
             chunk = None if link.peer_closed else link.queue.pop()  # a closing peer reads no more data
