@@ -733,3 +733,18 @@ async def test_frames_queued_while_held_leave_in_one_write_and_the_receives_comp
         assert [out[0] for out in outs] == [0, 1, 2]
     finally:
         await p.close()
+
+
+async def test_a_receive_posted_between_two_sends_does_not_put_the_later_deadline_first():
+    p = await open_pair(1)
+    try:
+        log = p.client.record_send_order()
+        late = asyncio.ensure_future(p.client.send(b"l" * 1000, tag=1, deadline=9))
+        posted = asyncio.ensure_future(p.client.recv_into(bytearray(10), tag=7))  # writes a GRANT at once
+        urgent = asyncio.ensure_future(p.client.send(b"u" * 1000, tag=2, deadline=1))  # same iteration
+        await asyncio.wait_for(asyncio.gather(late, urgent), 10)
+        posted.cancel()
+        await asyncio.gather(posted, return_exceptions=True)
+        assert [tag for tag, _seq, _offset in log] == [2, 1]
+    finally:
+        await p.close()
