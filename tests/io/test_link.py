@@ -678,11 +678,11 @@ async def test_pending_says_what_a_stuck_link_still_sends_and_awaits(pair):
 
 async def test_a_messages_wire_time_ends_at_its_kernel_ack_not_the_peers_late_ack_frame(pair):
     """Link.wire reads each message's end from the peer's kernel (Link.kernel_acks): a peer whose
-    event loop acknowledges late (here its ack frames held back 0.6 s) does not read as a slow link."""
+    application acknowledges late (here its ack frames handled 0.6 s after they came) does not read
+    as a slow link."""
     loop = asyncio.get_running_loop()
-    for stream in pair.accepted._streams:
-        queue_now = stream.queue_control
-        stream.queue_control = lambda frame, queue_now=queue_now: loop.call_later(0.6, queue_now, frame)
+    handle_now = pair.client.ack_received
+    pair.client.ack_received = lambda stream, header: loop.call_later(0.6, handle_now, stream, header)
     started = time.monotonic()
     await asyncio.gather(pair.client.send(b"x" * 100_000, tag=3), pair.accepted.recv_into(bytearray(100_000), tag=3))
     assert time.monotonic() - started >= 0.6  # the application's ack came late
@@ -699,3 +699,77 @@ async def test_probe_messages_are_timed_apart_from_the_applications(pair):
     await asyncio.gather(pair.client.send(b"x" * 1000, tag=3), pair.accepted.recv_into(bytearray(1000), tag=3))
     assert pair.client.probe_wire.reading()[::2] == (50_000, 1)
     assert pair.client.wire.reading()[::2] == (1000, 1)
+
+
+async def test_eager_credit_comes_back_in_batches_and_a_short_sender_still_completes():
+    budget = 2 * MiB  # batches of budget / 16 = 128 KiB
+    p = await open_pair(1, server_options={"limits": Limits(max_unexpected_bytes=budget)})
+    try:
+        for seq in range(3):  # 96 KiB of eager bytes staged, then claimed: less than a batch
+            await p.client.send(bytes([seq]) * 32 * 1024, tag=3)
+            out = bytearray(32 * 1024)
+            await p.accepted.recv_into(out, tag=3)
+            assert out == bytes([seq]) * len(out)
+        await asyncio.sleep(0.05)
+        assert p.client.flow.credit == budget - 96 * 1024  # nothing returned yet
+        await asyncio.gather(p.client.send(b"x" * 64 * 1024, tag=3), p.accepted.recv_into(bytearray(64 * 1024), tag=3))
+        for _ in range(100):  # 160 KiB due: one CREDIT returns all of it
+            if p.client.flow.credit == budget:
+                break
+            await asyncio.sleep(0.01)
+        assert p.client.flow.credit == budget
+        p.client.flow.credit = 1024  # a sender short of credit (what is held back): its message waits
+        sending = asyncio.ensure_future(p.client.send(pattern(MiB, 5), tag=4))  # for the receive's grant
+        out = bytearray(MiB)
+        await asyncio.wait_for(asyncio.gather(sending, p.accepted.recv_into(out, tag=4)), 10)
+        assert out == pattern(MiB, 5)
+    finally:
+        await p.close()
+
+
+class CountingSocket:
+    """A socket that counts sendmsg calls (everything else goes to the real one)."""
+
+    def __init__(self, sock):
+        self._sock, self.sendmsg_calls = sock, 0
+
+    def sendmsg(self, parts):
+        self.sendmsg_calls += 1
+        return self._sock.sendmsg(parts)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+async def test_frames_queued_while_held_leave_in_one_write_and_the_receives_complete():
+    p = await open_pair(1)
+    try:
+        stream = p.accepted._streams[0]
+        stream.sock = counting = CountingSocket(stream.sock)
+        outs = [bytearray(1000) for _ in range(3)]
+        p.accepted.hold_frames()  # as a readable event does: three grants queued, none written
+        receives = [asyncio.ensure_future(p.accepted.recv_into(out, tag=tag)) for tag, out in enumerate(outs)]
+        await asyncio.sleep(0)
+        assert counting.sendmsg_calls == 0 and len(stream.control) == 3
+        p.accepted.release_frames()
+        assert counting.sendmsg_calls == 1 and not stream.control
+        await asyncio.gather(*(p.client.send(bytes([tag]) * 1000, tag=tag) for tag in range(3)))
+        await asyncio.wait_for(asyncio.gather(*receives), 10)
+        assert [out[0] for out in outs] == [0, 1, 2]
+    finally:
+        await p.close()
+
+
+async def test_a_receive_posted_between_two_sends_does_not_put_the_later_deadline_first():
+    p = await open_pair(1)
+    try:
+        log = p.client.record_send_order()
+        late = asyncio.ensure_future(p.client.send(b"l" * 1000, tag=1, deadline=9))
+        posted = asyncio.ensure_future(p.client.recv_into(bytearray(10), tag=7))  # writes a GRANT at once
+        urgent = asyncio.ensure_future(p.client.send(b"u" * 1000, tag=2, deadline=1))  # same iteration
+        await asyncio.wait_for(asyncio.gather(late, urgent), 10)
+        posted.cancel()
+        await asyncio.gather(posted, return_exceptions=True)
+        assert [tag for tag, _seq, _offset in log] == [2, 1]
+    finally:
+        await p.close()

@@ -225,3 +225,14 @@ def test_late_receiver_stages_at_most_the_budget_and_every_message_arrives(sizes
     for key, payload in world.payloads.items():
         assert world.entries[key].done and bytes(world.buffers[key]) == payload
     assert world.receiver.eager_bytes == 0 and world.sender.credit == world.budget  # all credit came back
+
+
+def test_credit_is_held_back_until_a_batch_is_due_then_returned_whole():
+    r = Reassembler()
+    for seq in range(3):
+        r.post(1, memoryview(bytearray(10)))
+        r.place(data(1, seq, 10, 0, 10, eager=True))
+        r.chunk_done(data(1, seq, 10, 0, 10, eager=True))
+    assert r.take_credit(at_least=40) == 0  # 30 due: kept
+    assert r.take_credit(at_least=30) == 30  # a batch: all of it, once
+    assert r.take_credit(at_least=1) == 0 and r.take_credit() == 0

@@ -13,7 +13,7 @@ from wanlink.io.sockets import (
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
-from wanlink.proto.flow import SendFlow, eager_window
+from wanlink.proto.flow import SendFlow, credit_batch, eager_window
 from wanlink.proto.frames import (
     PING_FRAME, FrameType, Header, announce_frame, control_header, credit_frame, grant_frame,
 )
@@ -122,11 +122,14 @@ class Link:
         self._controls: asyncio.Queue = asyncio.Queue(limits.max_pending_control)
         self._closing = False
         self._wake_start = 0
+        self._holding = 0  # > 0: control frames wait for release_frames (one write for all of them)
+        self._chunks_due = False  # _write_chunks is scheduled
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
         self._failure_callbacks: list = []
         self.flow = SendFlow(max_grants=limits.max_pending_transfers)  # what we may send (peer's credit, grants)
         self._credit_granted = limits.max_unexpected_bytes  # cumulative eager credit we gave the peer
+        self._credit_batch = credit_batch(limits.max_unexpected_bytes)  # credit returned once this much is due
         self._rtt_s: float | None = None  # smallest kernel RTT over the streams (TCP only)
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
         self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
@@ -227,12 +230,16 @@ class Link:
         _check_tag(tag)
         self._raise_if_failed(f"recv on tag {tag}: 0 of {len(view)} bytes received")
         entry = self.reassembler.post(tag, view)
-        self._return_credit()
-        if entry.done:
-            if entry.error is not None:
-                raise entry.error
-            return entry.total
-        self._queue_frame(grant_frame(tag, entry.seq))
+        self.hold_frames()  # the credit and the grant leave in one write
+        try:
+            self._return_credit()
+            if entry.done:
+                if entry.error is not None:
+                    raise entry.error
+                return entry.total
+            self._queue_frame(grant_frame(tag, entry.seq))
+        finally:
+            self.release_frames()
         waiter = self.loop.create_future()
         self._recv_waiters[entry] = waiter
         try:
@@ -281,6 +288,18 @@ class Link:
         return message
 
     # -- called by streams ------------------------------------------------------------------------
+    def hold_frames(self) -> None:
+        """Queue control frames (acks, credits, grants) without writing them until the matching
+        ``release_frames``, so that what one event produces leaves in one write (nests)."""
+        self._holding += 1
+
+    def release_frames(self) -> None:
+        self._holding -= 1
+        if not self._holding:
+            for stream in self._streams:
+                if stream.control:
+                    stream.kick()
+
     def place(self, header: Header) -> memoryview:
         """Where a DATA chunk's payload goes; once closing, nowhere (the caller's buffers are released)."""
         if self._closing:
@@ -551,16 +570,27 @@ class Link:
         for chunk, eager in released:
             chunk.eager = eager
             self.queue.push(chunk)
-        self._wake_writers()
+        self._kick_writers()
 
     def _queue_frame(self, frame: bytes) -> None:
-        """Queue a control or flow frame on the live stream with the fewest waiting (none left: drop it)."""
-        alive = [s for s in self._streams if s.alive]
-        if alive:
-            min(alive, key=lambda s: len(s.control)).queue_control(frame)
+        """Queue a control or flow frame on the live stream with the fewest waiting (none left: drop it),
+        and write it now unless frames are held (``hold_frames``)."""
+        streams = self._streams
+        if len(streams) == 1:
+            stream = streams[0]
+            if not stream.alive:
+                return
+        else:
+            alive = [s for s in streams if s.alive]
+            if not alive:
+                return
+            stream = min(alive, key=lambda s: len(s.control))
+        stream.control.append(frame)
+        if not self._holding:
+            stream.kick()
 
     def _return_credit(self) -> None:
-        due = self.reassembler.take_credit()
+        due = self.reassembler.take_credit(self._credit_batch)
         if due:
             self._credit_granted += due
             self._queue_frame(credit_frame(self._credit_granted))
@@ -577,6 +607,28 @@ class Link:
         for waiter in self._start_waiters.pop(tag, ()):
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _kick_writers(self) -> None:
+        """Have the streams write the queued chunks at the end of this loop iteration: the chunks of
+        every send queued in it (by several tasks) then leave in deadline order, as from a writer task,
+        but without waking one."""
+        if not self._chunks_due:
+            self._chunks_due = True
+            self.loop.call_soon(self._write_chunks)
+
+    def _write_chunks(self) -> None:
+        """Streams write the queued chunks, starting one further each time (as ``_wake_writers``);
+        a stream whose kernel buffer fills leaves the rest to the next one."""
+        self._chunks_due = False
+        streams = self._streams
+        count = len(streams)
+        self._wake_start = (self._wake_start + 1) % count
+        for i in range(count):
+            if not self.queue:
+                return
+            stream = streams[(self._wake_start + i) % count]
+            if stream.alive:
+                stream.kick(chunks=True)
 
     def _wake_writers(self) -> None:
         """Wake every idle writer, starting one further each time so small messages spread over streams."""

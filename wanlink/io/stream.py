@@ -28,7 +28,9 @@ class Stream:
     would register and unregister the socket with epoll and wake a task for every single read.)
     The writer sends queued control frames (acks, pings) first, then pulls the next chunk from the
     link's EDF queue whenever its previous send has drained into the kernel, so a faster stream
-    carries more chunks.
+    carries more chunks. Whoever queues something calls ``kick()``, which writes it at once, in the
+    caller's callback, while the kernel takes every byte: no task wakes for the common case (a small
+    message, an ack). The writer task only finishes a frame the kernel took part of, as room appears.
     """
 
     def __init__(self, link, sock: socket.socket, index: int, keys: tuple[bytes, bytes] | None = None):
@@ -52,6 +54,8 @@ class Stream:
         self.chunks_sent = self.chunks_received = 0
         self.bytes_sent = self.bytes_received = 0
         self._writer: asyncio.Task | None = None
+        self._unsent: list | None = None  # the rest of a frame the kernel took part of (the writer sends it)
+        self._unsent_chunk: Chunk | None = None  # the chunk that frame carries, reported written after it
         self._reading = False
         self._read_done: asyncio.Future = loop.create_future()  # set once the reader stopped
         self._writable: asyncio.Future | None = None  # awaited by the writer while the socket is full
@@ -64,8 +68,23 @@ class Stream:
         self._writer = self.loop.create_task(self._guard(self._write_loop), name=f"wanlink-write-{self.index}")
 
     def queue_control(self, frame: bytes) -> None:
+        """Queue ``frame`` for the writer task (rare frames: pings, CLOSE; the hot path uses ``kick``)."""
         self.control.append(frame)
         self.wake.set()
+
+    def kick(self, chunks: bool = False) -> None:
+        """Write queued control frames now (with ``chunks``, then queued chunks too: the link's
+        end-of-iteration call, so that sends queued together leave in deadline order) while the kernel
+        takes all of each; a frame it takes part of is finished by the writer task (woken for it)."""
+        if not self.alive or self._unsent is not None or self.closing or self._writer is None:
+            if self.alive:
+                self.wake.set()
+            return
+        try:
+            if not self._write_ready(chunks):
+                self.wake.set()
+        except Exception as exc:  # noqa: BLE001 - see _failed
+            self._failed(exc)
 
     async def _guard(self, run) -> None:
         try:
@@ -96,6 +115,7 @@ class Stream:
             return
         sock, decoder, link = self.sock, self.decoder, self.link
         budget = READ_BUDGET_BYTES
+        link.hold_frames()  # acks, credits and grants this read produces leave together, at the end
         try:
             while budget > 0:
                 try:
@@ -119,6 +139,7 @@ class Stream:
                 self.last_rx = self.loop.time()
                 if self._quickack:
                     self._ack_now(sock)
+            link.release_frames()
 
     def _ack_now(self, sock: socket.socket) -> None:
         """Acknowledge what was just read now. A link carries data both ways, so the kernel treats
@@ -140,7 +161,7 @@ class Stream:
             self.chunks_received += 1
             header = event.header
             link.chunk_received(header)
-            self.queue_control(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
+            self.control.append(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
         elif type(event) is AckReceived:
             link.ack_received(self, event.header)
         elif type(event) is FlowReceived:
@@ -162,65 +183,92 @@ class Stream:
             self._read_done.set_result(None)
 
     async def _write_loop(self) -> None:
-        queue = self.link.queue  # (no local for the link: a cancelled writer's traceback would keep it alive)
+        while True:
+            if self._unsent is not None:
+                await self._send_unsent()
+                continue
+            if not self._write_ready():
+                continue
+            if self.closing:
+                return
+            self.wake.clear()
+            await self.wake.wait()
+
+    def _write_ready(self, chunks: bool = True) -> bool:
+        """Write control frames, then (``chunks``) chunks from the link's queue, while the kernel takes every byte.
+        False when it stopped on a frame the kernel took part of (``_unsent`` holds the rest).
+        (A closing stream sends its control frames, an ABORT among them, after the link let go of it.)"""
         while True:
             if self.control:
                 frames, self.control = self.control[:MAX_FRAMES_PER_SEND], self.control[MAX_FRAMES_PER_SEND:]
                 if self._sealer is not None:
                     frames = [self._sealer.seal_frame(frame) for frame in frames]
-                await self.send_frames(frames)
+                if not self._write(frames, None):
+                    return False
                 continue
-            if self.closing:
-                return
-            chunk = None if self.link.peer_closed else queue.pop()  # a closing peer reads no more data
-            if chunk is not None:
-                if not chunk.acked:
-                    await self._send_chunk(chunk)
-                if self.link is not None:
-                    self.link.chunk_written(chunk, self)
-                continue
-            self.wake.clear()
-            await self.wake.wait()
+            if self.closing or not chunks:
+                return True
+            link = self.link
+            chunk = None if link.peer_closed else link.queue.pop()  # a closing peer reads no more data
+            if chunk is None:
+                return True
+            if not chunk.acked and not self._write(self._chunk_parts(chunk), chunk):
+                return False
+            link.chunk_written(chunk, self)
 
-    async def _send_chunk(self, chunk: Chunk) -> None:
+    def _chunk_parts(self, chunk: Chunk) -> list:
+        """The DATA frame of ``chunk`` (header and payload parts), recorded as in flight on this stream."""
+        link = self.link
         transfer = chunk.transfer
         self.in_flight[(transfer.tag, transfer.seq, chunk.offset)] = chunk
-        if self.link.send_log is not None:
-            self.link.send_log.append((transfer.tag, transfer.seq, chunk.offset))
+        if link.send_log is not None:
+            link.send_log.append((transfer.tag, transfer.seq, chunk.offset))
         payload = chunk.view
         flags = FLAG_EAGER if chunk.eager else 0
         checksum = 0
         raw_len = len(payload)
-        if self.link.checksum:
+        if link.checksum:
             flags |= FLAG_CHECKSUM
             checksum = zlib.crc32(payload)
-        if self.link.compress and raw_len:
+        if link.compress and raw_len:
             packed = compress_chunk(payload)
             if packed is not None:
                 flags |= FLAG_LZ4
                 payload = packed
         header = data_header(transfer.tag, transfer.seq, transfer.total, chunk.offset, len(payload),
                              flags=flags, raw_len=raw_len, checksum=checksum)
-        parts = [header, payload] if self._sealer is None else self._sealer.seal_data(header, payload)
-        await self.send_frames(parts)
-        self.chunks_sent += 1
+        return [header, payload] if self._sealer is None else self._sealer.seal_data(header, payload)
 
-    async def send_frames(self, parts: list) -> None:
-        """Write ``parts`` in order: one sendmsg when the kernel takes it all, else sock_sendall."""
-        sock = self.sock
+    def _write(self, parts: list, chunk: Chunk | None) -> bool:
+        """One sendmsg of ``parts``; False when the kernel took only some (the rest goes to ``_unsent``)."""
         try:
-            sent = sock.sendmsg(parts)
+            sent = self.sock.sendmsg(parts)
         except BlockingIOError:
             sent = 0
         self.bytes_sent += sent
-        for part in parts:
+        self.last_tx = self.loop.time()
+        for index, part in enumerate(parts):
             size = len(part)
             if sent >= size:
                 sent -= size
                 continue
-            await self._send_rest(memoryview(part)[sent:])
-            sent = 0
+            self._unsent = [memoryview(part)[sent:], *parts[index + 1:]]
+            self._unsent_chunk = chunk
+            return False
+        if chunk is not None:
+            self.chunks_sent += 1
+        return True
+
+    async def _send_unsent(self) -> None:
+        """Finish the frame the kernel took part of, then report its chunk written."""
+        for part in self._unsent:
+            await self._send_rest(memoryview(part))
+        chunk, self._unsent, self._unsent_chunk = self._unsent_chunk, None, None
         self.last_tx = self.loop.time()
+        if chunk is not None:
+            self.chunks_sent += 1
+            if self.link is not None:
+                self.link.chunk_written(chunk, self)
 
     async def _send_rest(self, view: memoryview) -> None:
         """Send all of ``view`` as the kernel makes room, registered for writability meanwhile."""

@@ -26,6 +26,16 @@ MIN_EAGER_WINDOW = 8 * MiB
 """Messages up to this size never wait for a grant: on loopback and LAN paths (tiny bandwidth-delay
 products) every collective piece is eager, so flow control adds no round trip there."""
 MAX_CREDIT = 2**48  # more credit than any receiver could stage: a peer sending it is broken
+CREDIT_BATCH_DIVISOR = 16
+"""A receiver returns eager credit once 1/16 of its budget is due, in one CREDIT frame, rather than
+after every eager chunk (a frame, a write and a wake-up each side per small message). The sender so
+holds at most that much less credit than it could; nothing waits for it: a posted receive grants its
+message whatever the credit, and a message held for credit is announced (``wait_message_started``)."""
+
+
+def credit_batch(budget: int) -> int:
+    """Eager bytes a receiver with staging ``budget`` lets come due before returning their credit."""
+    return budget // CREDIT_BATCH_DIVISOR
 
 
 def eager_window(rate_bytes_per_s: float | None, rtt_s: float | None, budget: int) -> int:

@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import struct
 import zlib
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from wanlink.errors import LocalProtocolError, RemoteProtocolError
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
@@ -54,8 +54,9 @@ _NO_PAYLOAD = frozenset({FrameType.ACK, FrameType.PING, FrameType.CLOSE, FrameTy
                          FrameType.ANNOUNCE})
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """One decoded header (a tuple: built in one step, as every frame is decoded)."""
+
     type: FrameType
     flags: int = 0
     tag: int = 0
@@ -103,26 +104,28 @@ def announce_frame(tag: int, seq: int, total: int) -> bytes:
     return HEADER.pack(FrameType.ANNOUNCE, 0, 0, tag, seq, total, 0, 0, 0, 0)
 
 
+_FRAME_TYPES = {int(frame_type): frame_type for frame_type in FrameType}
 PING_FRAME = HEADER.pack(FrameType.PING, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 CLOSE_FRAME = HEADER.pack(FrameType.CLOSE, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def parse_header(raw: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Header:
-    """Decode and validate one header; raises RemoteProtocolError (LimitExceeded among them) on any bad field."""
+    """Decode and validate one header; raises RemoteProtocolError (LimitExceeded among them) on any bad field.
+    (Each limit is compared first and its message only built to raise: this runs for every frame.)"""
     ftype, flags, reserved, tag, seq, total, offset, wire_len, raw_len, checksum = HEADER.unpack(raw)
-    try:
-        frame_type = FrameType(ftype)
-    except ValueError:
-        raise RemoteProtocolError(f"unknown frame type {ftype}") from None
+    frame_type = _FRAME_TYPES.get(ftype)
+    if frame_type is None:
+        raise RemoteProtocolError(f"unknown frame type {ftype}")
     if reserved:
         raise RemoteProtocolError(f"reserved header field is {reserved}, must be 0")
     if flags & ~KNOWN_FLAGS:
         raise RemoteProtocolError(f"unknown frame flags 0x{flags:02x}")
-    if frame_type in (FrameType.DATA, FrameType.ANNOUNCE):
+    if (frame_type is FrameType.DATA or frame_type is FrameType.ANNOUNCE) and total > limits.max_transfer_size:
         limits.check("max_transfer_size", total, f"message tag={tag} seq={seq}")
     if frame_type is FrameType.DATA:
-        limits.check("max_frame_payload", raw_len, f"chunk of tag={tag} seq={seq}")
-        limits.check("max_frame_payload", wire_len, f"chunk of tag={tag} seq={seq}")
+        if max(raw_len, wire_len) > limits.max_frame_payload:
+            limits.check("max_frame_payload", raw_len, f"chunk of tag={tag} seq={seq}")
+            limits.check("max_frame_payload", wire_len, f"chunk of tag={tag} seq={seq}")
         if offset + raw_len > total:
             raise RemoteProtocolError(f"chunk [{offset}, {offset + raw_len}) lies outside message of {total} bytes")
         if not flags & FLAG_LZ4 and wire_len != raw_len:

@@ -235,9 +235,13 @@ class Reassembler:
             return self._finish(entry)
         return None
 
-    def take_credit(self) -> int:
-        """Eager bytes whose credit is due back to the peer since the last call (0: none)."""
-        due, self._credit_due = self._credit_due, 0
+    def take_credit(self, at_least: int = 0) -> int:
+        """Eager bytes whose credit is due back to the peer since the last call that returned some;
+        0 (and the credit kept for later) while fewer than ``at_least`` (at least 1) are due."""
+        due = self._credit_due
+        if due < max(at_least, 1):
+            return 0
+        self._credit_due = 0
         return due
 
     def clear(self) -> None:
