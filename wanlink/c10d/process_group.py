@@ -123,38 +123,48 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         """
         where = f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
 
+        work = WanlinkWork(op, outputs, reports_source, where)
+
         async def guarded():
-            watch = LostMemberWatch(self.mesh, self.mesh_ranks) if everyone else None
             try:
-                if seconds <= 0:  # expired before it began: nothing is sent
-                    body.close()
-                    raise asyncio.TimeoutError
-                async with asyncio.timeout(seconds):  # (wait_for would run the body as one more task)
-                    return await body
-            except asyncio.CancelledError:
-                if watch is None or watch.lost is None:
+                watch = LostMemberWatch(self.mesh, self.mesh_ranks) if everyone else None
+                try:
+                    if seconds <= 0:  # expired before it began: nothing is sent
+                        body.close()
+                        raise asyncio.TimeoutError
+                    async with asyncio.timeout(seconds):  # (wait_for would run the body as one more task)
+                        result = await body
+                except asyncio.CancelledError:
+                    if watch is None or watch.lost is None:
+                        raise
+                    asyncio.current_task().uncancel()
+                    raise PeerLost(f"{where}: this collective cannot complete: {watch.lost}") from watch.lost
+                except asyncio.TimeoutError as error:
+                    if isinstance(error, DeadlineExceeded):  # from inside the algorithm: it says whom it missed
+                        raise DeadlineExceeded(f"{where}: {error}") from None
+                    waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
+                        [rank for rank in range(self.group_size) if rank != self.group_rank]
+                    silent = comms[0].silent(waiting, SILENT_S) if comms else {}
+                    named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
+                                    f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
+                    raise DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
+                                           f"dead, stuck or not calling it{named}") from None
+                except PeerLost as error:
+                    raise PeerLost(f"{where}: {error}") from error
+                finally:
+                    if watch is not None:
+                        watch.stop()
+            except BaseException as error:  # the Work is told here, on the loop: no hand-off through futures
+                work.fail(error)
+                if not isinstance(error, Exception):  # cancellation, interpreter exit: the task ends so too
                     raise
-                asyncio.current_task().uncancel()
-                raise PeerLost(f"{where}: this collective cannot complete: {watch.lost}") from watch.lost
-            except asyncio.TimeoutError as error:
-                if isinstance(error, DeadlineExceeded):  # from inside the algorithm: it says whom it missed
-                    raise DeadlineExceeded(f"{where}: {error}") from None
-                waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
-                    [rank for rank in range(self.group_size) if rank != self.group_rank]
-                silent = comms[0].silent(waiting, SILENT_S) if comms else {}
-                named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
-                                f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
-                raise DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
-                                       f"dead, stuck or not calling it{named}") from None
-            except PeerLost as error:
-                raise PeerLost(f"{where}: {error}") from error
-            finally:
-                if watch is not None:
-                    watch.stop()
+            else:
+                work.succeed(result)
 
         traced = torch.autograd._profiler_enabled()  # a range costs ~5 us and a GIL hand-off: only when traced
         with torch.profiler.record_function(f"wanlink:{op}") if traced else contextlib.nullcontext():
-            return WanlinkWork(op, outputs, self.mesh.runtime.submit(guarded()), reports_source, where)
+            self.mesh.runtime.start(guarded(), work.task_done)
+        return work
 
     def _collective(self, op: str, fingerprint: tuple, body: Callable[..., Awaitable[None]],
                     staging: Staging, outputs: list, opts=None, parts: int = 1) -> WanlinkWork:

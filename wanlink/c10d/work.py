@@ -1,6 +1,7 @@
 """Work objects that torch.distributed hands back for ``async_op=True`` calls."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 from datetime import timedelta
@@ -20,8 +21,7 @@ class WanlinkWork(Work):
     A receive's coroutine returns the sender's group rank, which ``_source_rank()`` reports.
     """
 
-    def __init__(self, op: str, outputs: list, submitted: concurrent.futures.Future, reports_source: bool = False,
-                 label: str | None = None):
+    def __init__(self, op: str, outputs: list, reports_source: bool = False, label: str | None = None):
         super().__init__()
         self.op = op
         self.label = label or f"wanlink {op}"  # what error messages call it: op, sequence, group
@@ -32,20 +32,37 @@ class WanlinkWork(Work):
         self._future_lock = threading.Lock()
         self._finished = threading.Event()
         self._error: BaseException | None = None
-        submitted.add_done_callback(self._on_done)
 
-    def _on_done(self, submitted: concurrent.futures.Future) -> None:
-        """On the I/O thread: record the outcome and release ``wait()`` at once; the torch future,
-        if anyone asked for it (its ``then`` callbacks run inline), is completed on the completion
-        thread. A plain ``wait()`` wakes no third thread to compete with it for the GIL."""
-        try:
-            result = submitted.result()
-            if self._reports_source:
-                self._source = result
-        except BaseException as error:  # noqa: BLE001 - delivered to the waiter
-            if isinstance(error, concurrent.futures.CancelledError):
-                error = RuntimeError(f"{self.label} was cancelled")
-            self._error = error
+    # -- told by the collective's coroutine, on the I/O thread --------------------------------
+    def succeed(self, result) -> None:
+        """The collective finished; ``result`` is a receive's source rank (ignored otherwise)."""
+        if self._reports_source:
+            self._source = result
+        self._finish()
+
+    def fail(self, error: BaseException) -> None:
+        """The collective failed with ``error`` (a cancellation reads as a RuntimeError naming it)."""
+        if isinstance(error, asyncio.CancelledError):
+            error = RuntimeError(f"{self.label} was cancelled")
+        self._error = error
+        self._finish()
+
+    def task_done(self, task: asyncio.Task) -> None:
+        """The task's done callback: tells the Work what its coroutine could not, as when the task
+        was cancelled before the coroutine began (runtime shutdown)."""
+        if self._finished.is_set():
+            return
+        if task.cancelled():
+            self.fail(asyncio.CancelledError())
+        elif task.exception() is not None:
+            self.fail(task.exception())
+        else:
+            self.succeed(task.result())
+
+    def _finish(self) -> None:
+        """Release ``wait()`` at once; the torch future, if anyone asked for it (its ``then``
+        callbacks run inline), is completed on the completion thread. A plain ``wait()`` wakes no
+        third thread to compete with it for the GIL."""
         with self._future_lock:
             self._finished.set()
             wanted = self._future is not None

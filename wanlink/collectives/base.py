@@ -61,16 +61,39 @@ def split(tensor: torch.Tensor, pieces: int) -> list[torch.Tensor]:
 
 
 async def gather_all(awaitables: Sequence[Awaitable]) -> None:
-    """Await all; on the first failure cancel the rest and re-raise it (no orphaned tasks)."""
+    """Await all; on the first failure cancel the rest at once and re-raise it (no orphaned tasks).
+
+    The first runs inline in the calling task, the others as tasks: one task fewer, and the first
+    still starts before the others (sends queued together keep their order). A failing task
+    cancels the caller, and so the one running inline, at once.
+    """
     if len(awaitables) <= 1:  # nothing to run beside it: no task (each costs a loop iteration)
         for item in awaitables:
             await item
         return
-    tasks = [asyncio.ensure_future(item) for item in awaitables]
+    first, *rest = awaitables
+    tasks = [asyncio.ensure_future(item) for item in rest]
+    caller = asyncio.current_task()
+    culprit: list = [None]  # the first task that failed; False once the caller is cleaning up
+
+    def on_done(task: asyncio.Future) -> None:
+        if culprit[0] is None and not task.cancelled() and task.exception() is not None:
+            culprit[0] = task
+            caller.cancel()
+
+    for task in tasks:
+        task.add_done_callback(on_done)
     try:
-        await asyncio.gather(*tasks)
+        await first
+        for task in tasks:
+            await task
+        return
     except BaseException:
+        failed, culprit[0] = culprit[0], False
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+        if failed is None:
+            raise
+    caller.uncancel()  # the cancel was ours, to stop the one running inline: report the failure
+    raise failed.exception()

@@ -44,6 +44,24 @@ class Runtime:
             raise RuntimeError("the wanlink runtime is shut down")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def start(self, coro, done) -> None:
+        """Run ``coro`` as a task on the loop thread and call ``done(task)`` there when it ends.
+
+        Cheaper than ``submit`` for callers that are told of the outcome by ``coro`` itself: no
+        concurrent Future, no chained callbacks, no locks taken on the loop thread.
+        """
+        if not self.running:
+            coro.close()
+            raise RuntimeError("the wanlink runtime is shut down")
+        try:
+            self.loop.call_soon_threadsafe(self._start, coro, done)
+        except RuntimeError:  # the loop closed meanwhile
+            coro.close()
+            raise
+
+    def _start(self, coro, done) -> None:
+        self.loop.create_task(coro).add_done_callback(done)
+
     def run(self, coro, timeout: float | None = None):
         """Run ``coro`` on the loop thread and wait; DeadlineExceeded (and cancellation) on timeout."""
         if threading.current_thread() is self._thread:
