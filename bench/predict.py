@@ -620,11 +620,16 @@ def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP
         row["uncontended_fine_error_pct"] = 100 * (row["uncontended_fine_s"] / row["measured_s"] - 1)
         if "halves_s" in row:
             row["halves_spread_pct"] = 100 * abs(row["halves_s"][0] - row["halves_s"][1]) / row["measured_s"]
+        if "drops" in row:  # rows measured since 2026-11-26 18:00: segments the emulator dropped
+            row["dropped_timed"] = sum(row["drops"]["timed iterations"])
+            row["dropped_before"] = sum(sum(row["drops"][phase]) for phase in row["drops"]
+                                        if phase not in ("timed iterations", "after"))
     print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
                        ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
                        ("running_compute_s", "running compute s", ".3f"), ("comm_slowdown", "busy/alone", ".2f"),
                        ("emulator_cores", "emulator cores", ".2f"), ("measured_s", "measured s", ".3f"),
                        ("halves_spread_pct", "halves %", ".1f"),
+                       ("dropped_before", "dropped before", "d"), ("dropped_timed", "dropped timed", "d"),
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
                        ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
                        ("uncontended_fine_s", "fine, uncontended s", ".3f"),
