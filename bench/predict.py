@@ -399,16 +399,19 @@ class DropSampler:
         import threading
 
         self.path, self.samples, self.pids, self._stop = path, [], (), threading.Event()
-        self._tcp = (0,) * 2 * len(TCP_COUNTERS)
+        self._tcp = self._base = (0,) * 2 * len(TCP_COUNTERS)
         self._thread = threading.Thread(target=self._run, name="drop-sampler", daemon=True)
 
     def watch(self, pid_a: int, pid_b: int) -> None:
+        """Count the TCP_COUNTERS of these processes' namespaces from now on (earlier samples: 0)."""
+        self._base = tuple(value for pid in (pid_a, pid_b) for value in tcp_counters(pid))
         self.pids = (pid_a, pid_b)
 
     def _sample(self) -> None:
         stats = self.path.stats()
         try:
-            self._tcp = tuple(value for pid in self.pids for value in tcp_counters(pid)) or self._tcp
+            now = tuple(value for pid in self.pids for value in tcp_counters(pid))
+            self._tcp = tuple(value - base for value, base in zip(now, self._base)) or self._tcp
         except OSError:  # a rank has exited: its namespace's last counters stay
             pass
         self.samples.append((time.time(), *(stats[d]["drop_queue"] + stats[d]["drop_loss"] for d in ("ab", "ba")),
