@@ -131,10 +131,11 @@ def worker(args) -> None:
     store = dist.TCPStore(args.master, args.port, config["ranks"], is_master=args.rank == 0,
                           timeout=timedelta(seconds=120))
     dist.init_process_group("wanlink", store=store, rank=args.rank, world_size=config["ranks"])
+    marks = [("start", time.time())]  # wall clock, as the emulator's drop counters are sampled (measure)
     torch.manual_seed(0)
     model = make_model()
     batch = make_batch(args.rank)
-    probe_s = lone_allreduce_seconds(dist, torch)
+    probe_s = lone_allreduce_seconds(dist, torch, marks)
     alone = [dist.new_group([rank]) for rank in range(config["ranks"])][args.rank]  # every rank makes every group
     options = {"bucket_cap_mb": config["bucket_cap_mb"], "density": config["density"], "name": "bench.predict MLP"}
 
@@ -163,6 +164,7 @@ def worker(args) -> None:
     busy = profiled(warmup=BUSY_WARMUP, iterations=_busy_iterations(config), background=exchanges)
     # the CPU the rank's other threads (wanlink's event loop, its completion thread) spent per step's exchanges
     transport_cpu_s = ((time.process_time() - cpu) - (time.thread_time() - main_thread)) / len(exchanges.seconds)
+    marks.append(("profiles", time.time()))
     ddp = DDP(model, bucket_cap_mb=config["bucket_cap_mb"], gradient_as_bucket_view=True)
     state = None
     if config["density"] is not None:
@@ -174,9 +176,12 @@ def worker(args) -> None:
         ddp.register_comm_hook(state, sparse_hook.block_sparse_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.0 if state is not None else 0.9)
     dist.barrier()
+    marks.append(("DDP", time.time()))  # its construction broadcasts the model's state from rank 0
     seconds, forward, backward = [], [], []
     cpu_begin = time.process_time()
-    for _ in range(config["iterations"]):
+    for iteration in range(config["iterations"]):
+        if iteration == SKIP_FIRST:
+            marks.append(("first iterations", time.time()))
         begin = time.perf_counter()
         optimizer.zero_grad()
         loss = default_loss(ddp(batch[0]), batch)
@@ -186,6 +191,7 @@ def worker(args) -> None:
         optimizer.step()
         seconds.append(time.perf_counter() - begin)
     cpu_s = time.process_time() - cpu_begin
+    marks.append(("timed iterations", time.time()))
     if state is not None and state.flush():
         optimizer.step()
     dist.barrier()
@@ -196,7 +202,7 @@ def worker(args) -> None:
                                              "forward": forward, "backward": backward, "cpu_s": cpu_s,
                                              "lone_allreduce_s": probe_s,
                                              "busy_exchange_s": statistics.median(exchanges.seconds[BUSY_WARMUP:]),
-                                             "busy_launch_offsets_s": offsets}))
+                                             "busy_launch_offsets_s": offsets, "marks": marks}))
     dist.destroy_process_group()
 
 
@@ -262,14 +268,15 @@ PROBE_ROUNDS, PROBE_WARMUP = 5, 1  # rounds of every size in turn (medians over 
 WARM_BYTES, WARM_REPEATS = 16 * 1024 * 1024, 2  # first: every stream carries chunks, its congestion window grows
 
 
-def lone_allreduce_seconds(dist, torch) -> dict[str, float]:
+def lone_allreduce_seconds(dist, torch, marks: list) -> dict[str, float]:
     """Median time of lone all-reduces of each of PROBE_SIZES bytes over the configuration's ranks:
     the calibration runs, separate from the training that is validated. The link is warmed first
     (training keeps every stream busy; a fresh stream's congestion window starts at 10 segments),
-    then the sizes take turns."""
+    then the sizes take turns. Appends to ``marks`` when the warm-up and the probes end."""
     warm = torch.ones(WARM_BYTES // 4)
     for _ in range(WARM_REPEATS):
         dist.all_reduce(warm)
+    marks.append(("warm-up", time.time()))
     tensors = {size: torch.ones(size // 4) for size in PROBE_SIZES}
     times: dict = {size: [] for size in PROBE_SIZES}
     for round_ in range(PROBE_ROUNDS + PROBE_WARMUP):
@@ -279,6 +286,7 @@ def lone_allreduce_seconds(dist, torch) -> dict[str, float]:
             dist.all_reduce(tensor)
             if round_ >= PROBE_WARMUP:
                 times[size].append(time.perf_counter() - begin)
+    marks.append(("probes", time.time()))
     return {str(size): statistics.median(values) for size, values in times.items()}
 
 
@@ -371,12 +379,78 @@ def wanlink_collective(ranks: int) -> str:
     return "site" if pays_off(SiteMap(["a"] * half + ["b"] * (ranks - half))) else "flat"
 
 
+DROP_SAMPLE_S = 0.1  # how often measure reads the emulator's drop counters during a configuration
+TCP_COUNTERS = ("TCPTimeouts", "TCPLossProbes")  # a namespace's retransmission timeouts and tail-loss probes
+
+
+def tcp_counters(pid: int) -> tuple[int, ...]:
+    """TCP_COUNTERS of the network namespace process ``pid`` runs in (/proc/PID/net/netstat)."""
+    names, values = (line.split()[1:] for line in Path(f"/proc/{pid}/net/netstat").read_text().splitlines()[:2])
+    return tuple(int(values[names.index(name)]) for name in TCP_COUNTERS)
+
+
+class DropSampler:
+    """What a configuration lost, sampled every DROP_SAMPLE_S in a thread, stamped with the wall
+    clock the ranks' phase marks use (``phase_counts`` says which phase lost what): the emulator's
+    dropped segments (its queues' and random loss) per direction "ab", "ba", and, once ``watch``
+    names a process in each namespace, their TCP_COUNTERS (the senders' timeouts, then probes)."""
+
+    def __init__(self, path):
+        import threading
+
+        self.path, self.samples, self.pids, self._stop = path, [], (), threading.Event()
+        self._tcp = self._base = (0,) * 2 * len(TCP_COUNTERS)
+        self._thread = threading.Thread(target=self._run, name="drop-sampler", daemon=True)
+
+    def watch(self, pid_a: int, pid_b: int) -> None:
+        """Count the TCP_COUNTERS of these processes' namespaces from now on (earlier samples: 0)."""
+        self._base = tuple(value for pid in (pid_a, pid_b) for value in tcp_counters(pid))
+        self.pids = (pid_a, pid_b)
+
+    def _sample(self) -> None:
+        stats = self.path.stats()
+        try:
+            now = tuple(value for pid in self.pids for value in tcp_counters(pid))
+            self._tcp = tuple(value - base for value, base in zip(now, self._base)) or self._tcp
+        except OSError:  # a rank has exited: its namespace's last counters stay
+            pass
+        self.samples.append((time.time(), *(stats[d]["drop_queue"] + stats[d]["drop_loss"] for d in ("ab", "ba")),
+                             *self._tcp))
+
+    def _run(self) -> None:
+        while not self._stop.wait(DROP_SAMPLE_S):
+            self._sample()
+
+    def __enter__(self):
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def phase_counts(samples: list[tuple], marks: list[tuple[str, float]]) -> dict[str, list[int]]:
+    """How much each counter of ``samples`` (time, counters...) grew in each phase a rank marked:
+    ``marks`` are (phase, its end) in order after ("start", ...); the counters a phase ends with
+    are the first sample at or after its end (so a drop is put at most DROP_SAMPLE_S late),
+    "before" are the configuration's set-up (store, process group), "after" its teardown."""
+    def at(moment):
+        return next((sample[1:] for sample in samples if sample[0] >= moment), samples[-1][1:])
+
+    counts = [samples[0][1:]] + [at(moment) for _phase, moment in marks] + [samples[-1][1:]]
+    names = ["before"] + [phase for phase, _moment in marks[1:]] + ["after"]
+    return {name: [b - a for a, b in zip(counts[i], counts[i + 1])] for i, name in enumerate(names)}
+
+
 def measure(path, config: dict, port: int) -> dict:
     """Run one configuration's ranks (half in each namespace) and collect their outputs."""
     ranks = config["ranks"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
     emulator_cpu, started = path.cpu_seconds(), time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, DropSampler(path) as drops:
         procs, outs = [], []
         for rank in range(ranks):
             in_a = rank < ranks // 2
@@ -386,6 +460,7 @@ def measure(path, config: dict, port: int) -> dict:
                     "--rank", str(rank), "--master", path.addr_a, "--port", str(port), "--out-file", out,
                     "--address", path.addr_a if in_a else path.addr_b]
             procs.append((path.popen_a if in_a else path.popen_b)(argv, env=env))
+        drops.watch(procs[0].pid, procs[-1].pid)  # `ip netns exec` execs the rank: its pid, its namespace
         codes = [proc.wait(timeout=900) for proc in procs]
         if any(codes):
             raise RuntimeError(f"{config['name']}: ranks exited with {codes}")
@@ -405,7 +480,12 @@ def measure(path, config: dict, port: int) -> dict:
             "busy_exchange_s": max(r["busy_exchange_s"] for r in results),
             "per_rank_lone_allreduce_s": [r["lone_allreduce_s"] for r in results],
             "per_rank_busy_exchange_s": [r["busy_exchange_s"] for r in results],
-            "per_rank_busy_launch_offsets_s": [r["busy_launch_offsets_s"] for r in results]}
+            "per_rank_busy_launch_offsets_s": [r["busy_launch_offsets_s"] for r in results],
+            "marks": results[0]["marks"], "loss_samples": drops.samples}
+    counts = phase_counts(drops.samples, results[0]["marks"])
+    row.update(drops={phase: c[:2] for phase, c in counts.items()},  # segments, per direction (ab, ba)
+               timeouts={phase: c[2::2] for phase, c in counts.items()},  # TCP's, per namespace (a, b)
+               loss_probes={phase: c[3::2] for phase, c in counts.items()})
     return {**row, **measured(row, SKIP_FIRST)}
 
 
@@ -543,11 +623,16 @@ def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP
         row["uncontended_fine_error_pct"] = 100 * (row["uncontended_fine_s"] / row["measured_s"] - 1)
         if "halves_s" in row:
             row["halves_spread_pct"] = 100 * abs(row["halves_s"][0] - row["halves_s"][1]) / row["measured_s"]
+        if "drops" in row:  # rows measured since 2026-11-26 18:00: segments the emulator dropped
+            row["dropped_timed"] = sum(row["drops"]["timed iterations"])
+            row["dropped_before"] = sum(sum(row["drops"][phase]) for phase in row["drops"]
+                                        if phase not in ("timed iterations", "after"))
     print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
                        ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
                        ("running_compute_s", "running compute s", ".3f"), ("comm_slowdown", "busy/alone", ".2f"),
                        ("emulator_cores", "emulator cores", ".2f"), ("measured_s", "measured s", ".3f"),
                        ("halves_spread_pct", "halves %", ".1f"),
+                       ("dropped_before", "dropped before", "d"), ("dropped_timed", "dropped timed", "d"),
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
                        ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
                        ("uncontended_fine_s", "fine, uncontended s", ".3f"),
@@ -738,9 +823,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 lone = ", ".join(f"{int(size) >> 10} KiB {seconds * 1e3:.0f} ms"
                                  for size, seconds in row["lone_allreduce_s"].items())
+                dropped = ", ".join(f"{phase} {sum(counts)}/{sum(row['timeouts'][phase])}"
+                                    for phase, counts in row["drops"].items())
                 print(f"{config['name']}: {row['measured_s']:.3f} s/iteration, lone all-reduces {lone} "
-                      f"({row['wall_s']:.0f} s, load {row['load1']:.2f})",
-                      flush=True)
+                      f"({row['wall_s']:.0f} s, load {row['load1']:.2f}); segments dropped / TCP timeouts: "
+                      f"{dropped}", flush=True)
     load["after"] = os.getloadavg()[0]
     calls = [load]
     if args.append and Path(saved_file).exists():  # this call's rows replace the saved ones of the same name
