@@ -6,6 +6,15 @@ import pytest
 from wanlink.collectives.base import gather_all
 
 
+async def hangs(cancelled: list):
+    """Wait forever; note in ``cancelled`` that it was cancelled."""
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.append(True)
+        raise
+
+
 def test_all_run_and_the_first_starts_first():
     started = []
 
@@ -64,16 +73,9 @@ def test_the_inline_one_failing_cancels_the_tasks():
         await asyncio.sleep(0)
         raise ValueError("bad size")
 
-    async def hangs():
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-
     async def main():
         with pytest.raises(ValueError, match="bad size"):
-            await gather_all([inline(), hangs(), hangs()])
+            await gather_all([inline(), hangs(cancelled), hangs(cancelled)])
 
     asyncio.run(main())
     assert cancelled == [True, True]
@@ -82,17 +84,10 @@ def test_the_inline_one_failing_cancels_the_tasks():
 def test_a_timeout_around_it_cancels_everything_and_reads_as_a_timeout():
     cancelled = []
 
-    async def hangs():
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-
     async def main():
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.01):
-                await gather_all([hangs(), hangs(), hangs()])
+                await gather_all([hangs(cancelled), hangs(cancelled), hangs(cancelled)])
         assert asyncio.current_task().cancelling() == 0
 
     asyncio.run(main())

@@ -617,27 +617,28 @@ class Link:
             self.loop.call_soon(self._write_chunks)
 
     def _write_chunks(self) -> None:
-        """Streams write the queued chunks, starting one further each time (as ``_wake_writers``);
-        a stream whose kernel buffer fills leaves the rest to the next one."""
+        """Streams write the queued chunks (``_streams_in_turn``); a stream whose kernel buffer fills
+        leaves the rest to the next one."""
         self._chunks_due = False
+        for stream in self._streams_in_turn():
+            if not self.queue:
+                return
+            stream.kick(chunks=True)
+
+    def _wake_writers(self) -> None:
+        """Wake every idle writer (``_streams_in_turn``)."""
+        for stream in self._streams_in_turn():
+            stream.wake.set()
+
+    def _streams_in_turn(self):
+        """The live streams, starting one further each call, so that small messages spread over them."""
         streams = self._streams
         count = len(streams)
         self._wake_start = (self._wake_start + 1) % count
         for i in range(count):
-            if not self.queue:
-                return
             stream = streams[(self._wake_start + i) % count]
             if stream.alive:
-                stream.kick(chunks=True)
-
-    def _wake_writers(self) -> None:
-        """Wake every idle writer, starting one further each time so small messages spread over streams."""
-        count = len(self._streams)
-        self._wake_start = (self._wake_start + 1) % count
-        for i in range(count):
-            stream = self._streams[(self._wake_start + i) % count]
-            if stream.alive:
-                stream.wake.set()
+                yield stream
 
     def _stop_reopening(self) -> None:
         for task in list(self._reopening.values()):
