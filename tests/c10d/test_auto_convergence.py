@@ -6,6 +6,7 @@ staleness 1 and SparseSGD, its controller fed a bandwidth schedule that moves ev
 simulated clock (10 ms of compute a step, whatever the machine's load), so the density changes many
 times during training and the same way on every run.
 """
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -63,6 +64,7 @@ def _train(rank, size, auto: bool):
     return accuracy, densities, state.density_stats() if state else None
 
 
+@pytest.mark.slow
 def test_auto_density_under_a_changing_bandwidth_reaches_dense_accuracy_within_one_point():
     dense = run_world(2, _train, False, backend="gloo", timeout=600)[0][0]
     (accuracy, densities, stats), (_, other_densities, _) = run_world(2, _train, True, timeout=600)
