@@ -546,8 +546,9 @@ def predict(row: dict) -> dict:
     overhead that make the model's lone all-reduces of PROBE_SIZES last as long as the row's ranks
     measured them just before profiling (``calibrate_link``). Every column's profile carries the
     CPU contention its rank measured (``comm_slowdown``: the step profiled beside the training's
-    exchanges against the step alone) where the row has it; "uncontended" is the headline without
-    it. Nothing is fitted to the training iterations. ``running_compute_s`` (the profile scaled by
+    exchanges against the step alone, and the step's CPU time as the busy profile spent it) where
+    the row has it, with the ranks' mean CPU per step (training thread and transport threads) for
+    the sites' cores bound; "uncontended" is the headline without it. Nothing is fitted to the training iterations. ``running_compute_s`` (the profile scaled by
     the forward passes timed during training) is reported to show how much compute slows under
     communication; no prediction uses it.
     """
@@ -563,7 +564,10 @@ def predict(row: dict) -> dict:
         profiles = [p.while_exchanging(profile_from_json(busy)) for p, busy in zip(profiles, row["busy_profiles"])]
     if "transport_cpu_s" in row:
         profiles = [replace(p, transport_cpu_s=cpu) for p, cpu in zip(profiles, row["transport_cpu_s"])]
-    profile = max(profiles, key=lambda p: p.compute_s * p.comm_slowdown)
+    # the slowest rank's step; its CPU the ranks' mean (a site's cores carry the sum of its ranks' CPU)
+    profile = replace(max(profiles, key=lambda p: p.compute_s * p.comm_slowdown),
+                      cpu_s=statistics.fmean(p.cpu_s for p in profiles),
+                      transport_cpu_s=statistics.fmean(p.transport_cpu_s for p in profiles))
     nominal = _cluster(row, row["rate_mbit"], 1448 / 1500)
     scaled = [p.scaled(speed=p.forward_s / measured) for p, measured in zip(profiles, row["train_forward_s"])]
     efficiency, overhead_ms = calibrate_link(row, choice, profile)
