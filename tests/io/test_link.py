@@ -528,7 +528,8 @@ async def test_a_stream_whose_window_cannot_send_a_message_at_once_waits_for_the
         monkeypatch.setattr(link_module, "tcp_send_room", lambda sock, room=room: room)
         before = pair.client.stats()["chunks_sent_per_stream"]
         for tag in range(40, 60):
-            await asyncio.gather(pair.client.send(b"y" * size, tag=tag), pair.accepted.recv_into(bytearray(size), tag=tag))
+            await asyncio.gather(pair.client.send(b"y" * size, tag=tag),
+                                 pair.accepted.recv_into(bytearray(size), tag=tag))
         assert pair.client.stats()["chunks_sent_per_stream"][0] > before[0]
 
 
