@@ -513,6 +513,26 @@ async def test_small_messages_spread_over_streams(pair):
     assert sum(per_stream) == 40 and sum(1 for n in per_stream if n) >= 2
 
 
+async def test_a_stream_whose_window_cannot_send_a_message_at_once_waits_for_the_others(pair, monkeypatch):
+    # one stream's congestion window collapsed (losses): its turn goes to a stream that can send now
+    from wanlink.io import link as link_module
+
+    slow = pair.client._streams[0].sock
+    monkeypatch.setattr(link_module, "tcp_send_room", lambda sock: 1000 if sock is slow else 1 << 20)
+    for tag in range(40):
+        await asyncio.gather(pair.client.send(b"x" * 8000, tag=tag), pair.accepted.recv_into(bytearray(8000), tag=tag))
+    per_stream = pair.client.stats()["chunks_sent_per_stream"]
+    assert per_stream[0] == 0 and sum(per_stream) == 40 and sum(1 for n in per_stream if n) >= 2
+    # a message that fits the short window, or streams all short: every stream still takes its turn
+    for room, size in ((1000, 500), (0, 8000)):
+        monkeypatch.setattr(link_module, "tcp_send_room", lambda sock, room=room: room)
+        before = pair.client.stats()["chunks_sent_per_stream"]
+        for tag in range(40, 60):
+            await asyncio.gather(pair.client.send(b"y" * size, tag=tag),
+                                 pair.accepted.recv_into(bytearray(size), tag=tag))
+        assert pair.client.stats()["chunks_sent_per_stream"][0] > before[0]
+
+
 async def test_peer_close_does_not_fail_sends_whose_acks_are_still_arriving():
     p = await open_pair(4)
     try:

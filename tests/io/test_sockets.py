@@ -1,4 +1,5 @@
 """Stream socket set-up: congestion control choice and socket buffers (no traffic)."""
+import contextlib
 import socket
 import time
 
@@ -189,3 +190,24 @@ def test_tcp_send_progress_counts_bytes_given_to_the_kernel_and_acknowledged():
     assert (peer_given, peer_acked) == (3000, 3000)
     with socket.socket(socket.AF_UNIX) as unix:
         assert tcp_send_progress(unix) is None
+
+
+def test_tcp_send_room_is_the_congestion_window_less_what_waits_in_it():
+    from wanlink.io.sockets import tcp_info, tcp_send_room
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the peer reads nothing: its window fills
+        with socket.create_connection(listener.getsockname()) as conn:
+            peer, _ = listener.accept()
+            with peer:
+                room = tcp_send_room(conn)
+                if room is None:
+                    pytest.skip("no TCP_INFO notsent_bytes on this platform (Linux 4.6+)")
+                assert room == tcp_info(conn).cwnd_bytes  # idle: the whole window
+                conn.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    for _ in range(1000):
+                        conn.send(b"x" * 65536)
+                assert tcp_send_room(conn) < 0  # more queued than the window can send
+    with socket.socket(socket.AF_UNIX) as unix:
+        assert tcp_send_room(unix) is None

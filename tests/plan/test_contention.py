@@ -21,6 +21,9 @@ def test_measured_slowdown_round_trips_and_is_checked():
     busy = profile(forward=0.02, backward=0.06)
     measured = alone.while_exchanging(busy)
     assert measured.comm_slowdown == pytest.approx(2.0)
+    # the step's CPU time is the busy profile's where it has one (contention costs CPU time too)
+    assert Profile(**{**alone.__dict__, "cpu_s": 0.03}).while_exchanging(busy).cpu_s == 0.03
+    assert alone.while_exchanging(Profile(**{**busy.__dict__, "cpu_s": 0.05})).cpu_s == 0.05
     assert profile_from_json(json.loads(json.dumps(measured.to_json()))) == measured
     with pytest.raises(ConfigError, match="comm_slowdown must be a finite number > 0"):
         Profile("bad", 1, 0.0, 0.0, 0.0, (Bucket(4, 0.0, (1,)),), comm_slowdown=0.0)

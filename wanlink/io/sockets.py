@@ -249,6 +249,26 @@ _SEND_PROGRESS_FIELDS = tuple(_TCP_INFO_OFFSETS[name] for name in ("bytes_acked"
 _SEND_PROGRESS_BYTES = max(offset + field.size for offset, field in _SEND_PROGRESS_FIELDS)
 
 
+_SEND_ROOM_FIELDS = tuple(_TCP_INFO_OFFSETS[name] for name in ("snd_mss", "unacked", "snd_cwnd", "notsent_bytes"))
+_SEND_ROOM_BYTES = max(offset + field.size for offset, field in _SEND_ROOM_FIELDS)
+
+
+def tcp_send_room(sock: socket.socket) -> int | None:
+    """Bytes this TCP socket's congestion window lets leave now: the window less the segments in
+    flight and the bytes queued but not sent yet (may be negative). None where unknown (not TCP,
+    closed, before 4.6). Reads only these fields: a link asks it for each stream it writes to."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _SEND_ROOM_BYTES)
+    except (OSError, AttributeError):
+        return None
+    if len(raw) < _SEND_ROOM_BYTES:
+        return None
+    mss, unacked, cwnd, notsent = (field.unpack_from(raw, offset)[0] for offset, field in _SEND_ROOM_FIELDS)
+    return (cwnd - unacked) * mss - notsent
+
+
 def tcp_send_progress(sock: socket.socket) -> tuple[int, int] | None:
     """(bytes given to the kernel, bytes the peer's kernel acknowledged) on this TCP socket: payload
     bytes sent less those retransmitted plus those not sent yet, and ``bytes_acked`` (which counts

@@ -41,6 +41,10 @@ class EDFQueue:
             chunk.order = (chunk.transfer.deadline, arrival) if self.by_deadline else (arrival,)
         heapq.heappush(self._heap, (chunk.order, chunk))
 
+    def peek(self) -> Chunk | None:
+        """The chunk ``pop`` would return, left in the queue (None when empty)."""
+        return self._heap[0][1] if self._heap else None
+
     def pop(self) -> Chunk | None:
         """The chunk with the earliest deadline (FIFO among equals), or None when empty."""
         if not self._heap:
