@@ -66,7 +66,8 @@ def _batch_size(batch) -> int:
 
 def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3, iterations: int = 10,
                   bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, density: float | None = None,
-                  name: str | None = None, background=None, process_group=None, comm_hook=None) -> Profile:
+                  name: str | None = None, background=None, process_group=None, comm_hook=None,
+                  clock=time.perf_counter) -> Profile:
     """Time ``iterations`` training steps of ``model`` on ``batch`` (after ``warmup`` untimed ones).
 
     ``process_group``: profile through DDP over that group (and ``comm_hook``, ``(state, hook)``),
@@ -76,6 +77,8 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
     the training's exchanges, launched asynchronously) and returns a function that waits for that
     work, called once the step's compute has been timed; the profile then shows what compute costs
     while the link is busy (``Profile.while_exchanging``).
+
+    ``clock``: the wall clock the steps, layers, readiness and hooks are timed with (seconds).
     """
     import torch
 
@@ -86,7 +89,7 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
     if process_group is not None and warmup < 2:
         raise ConfigError(f"profiling through DDP needs warmup >= 2 (its buckets are rebuilt after one step), "
                           f"got {warmup}")
-    hooks = _DDPHooks(model, process_group, comm_hook, bucket_cap_mb) if process_group is not None else None
+    hooks = _DDPHooks(model, process_group, comm_hook, bucket_cap_mb, clock) if process_group is not None else None
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no parameters that require gradients")
@@ -99,12 +102,12 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
     handles = []
     for module_name, module in leaves:
         handles.append(module.register_forward_pre_hook(
-            lambda _m, _i, key=module_name: starts.__setitem__(key, time.perf_counter())))
+            lambda _m, _i, key=module_name: starts.__setitem__(key, clock())))
         handles.append(module.register_forward_hook(
-            lambda _m, _i, _o, key=module_name: forward[key].append(time.perf_counter() - starts[key])))
+            lambda _m, _i, _o, key=module_name: forward[key].append(clock() - starts[key])))
     for param_name, param in params:
         handles.append(param.register_post_accumulate_grad_hook(
-            lambda _p, key=param_name: ready.__setitem__(key, time.perf_counter())))
+            lambda _p, key=param_name: ready.__setitem__(key, clock())))
     totals = {"forward_s": [], "backward_s": [], "step_s": [], "cpu_s": []}
     ready_offsets: dict[str, list[float]] = {n: [] for n, _p in params}
     try:
@@ -119,13 +122,13 @@ def profile_model(model, batch, *, loss_fn=None, optimizer=None, warmup: int = 3
             if hooks is not None:
                 hooks.calls.clear()
             cpu = time.thread_time()
-            begin = time.perf_counter()
+            begin = clock()
             loss = loss_fn((hooks.ddp if hooks is not None else model)(_inputs(batch)), batch)
-            forward_end = time.perf_counter()
+            forward_end = clock()
             loss.backward()
-            backward_end = time.perf_counter()
+            backward_end = clock()
             optimizer.step()
-            end = time.perf_counter()
+            end = clock()
             cpu = time.thread_time() - cpu
             if finish_background is not None:
                 finish_background()
@@ -171,7 +174,7 @@ class _DDPHooks:
     hands it over and how long the hook itself runs; per timed step, each bucket's readiness and
     hook time relative to the end of forward, the hooks' time taken out of the backward."""
 
-    def __init__(self, model, group, comm_hook, bucket_cap_mb: float):
+    def __init__(self, model, group, comm_hook, bucket_cap_mb: float, clock):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
 
@@ -182,10 +185,10 @@ class _DDPHooks:
         self.steps: list = []  # per timed step: {index: (numels, bytes, ready after forward, hook seconds)}
 
         def timed(hook_state, bucket):
-            entered = time.perf_counter()
+            entered = clock()
             future = hook(hook_state, bucket)
             self.calls.append((bucket.index(), tuple(p.numel() for p in bucket.parameters()),
-                               bucket.buffer().numel() * bucket.buffer().element_size(), entered, time.perf_counter()))
+                               bucket.buffer().numel() * bucket.buffer().element_size(), entered, clock()))
             return future
 
         self.ddp.register_comm_hook(state, timed)
