@@ -719,6 +719,17 @@ async def test_probe_messages_are_timed_apart_from_the_applications(pair):
     assert pair.client.wire.reading()[::2] == (1000, 1)
 
 
+async def test_a_probe_burst_sends_one_part_on_each_stream(pair):
+    """density="auto"'s probes ask every stream's congestion window for more (ProbeSchedule): the
+    parts start one loop iteration apart, so each goes to the next stream in turn."""
+    from wanlink.c10d.auto_density import _send_probe
+
+    before = [stream.chunks_sent for stream in pair.client._streams]
+    _send_probe(pair.client, [memoryview(bytes(100_000))] * 4)
+    await _until(lambda: pair.client.probe_wire.reading()[2] == 4)
+    assert [stream.chunks_sent - sent for stream, sent in zip(pair.client._streams, before)] == [1] * 4
+
+
 async def test_eager_credit_comes_back_in_batches_and_a_short_sender_still_completes():
     budget = 2 * MiB  # batches of budget / 16 = 128 KiB
     p = await open_pair(1, server_options={"limits": Limits(max_unexpected_bytes=budget)})
