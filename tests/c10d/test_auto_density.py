@@ -324,7 +324,7 @@ def test_the_hook_probes_once_nothing_it_launched_is_in_flight():
 
 def test_steps_waiting_for_their_exchange_drop_the_held_samples_and_hold_back_the_probes():
     """0.1 s steps: while each exchange completes within its step, the probe's 100 MB/s stands and
-    probes go out (once a second); once two steps in a row wait 30 ms for theirs (the path slowed
+    probes go out (once a second); once two steps in a row wait 60 ms for theirs (the path slowed
     down), the held sample goes, the messages' 4 MB/s stands alone, and no probe goes out until a
     step fits again."""
     from wanlink.c10d.auto_density import AutoDensity, LinkDeliveryRate
@@ -349,12 +349,12 @@ def test_steps_waiting_for_their_exchange_drop_the_held_samples_and_hold_back_th
     steps(0, 5, late_s=0.0)
     assert rate.latest["probe"] == pytest.approx(100e6)
     probes = len(link.probes_sent)
-    steps(5, 7, late_s=0.03)  # the second late step shows at the next step's start
-    steps(7, 8, late_s=0.03)
+    steps(5, 7, late_s=0.06)  # the second late step shows at the next step's start
+    steps(7, 8, late_s=0.06)
     assert auto.controller.overruns == 1 and "probe" not in rate.latest
     assert auto.controller.bandwidth_estimate(clock.now) == pytest.approx(4e6)
-    assert auto.stats()["exposed_s"] == pytest.approx(0.03)
-    steps(8, 30, late_s=0.03)  # 2.9 s of late steps: no probe
+    assert auto.stats()["exposed_s"] == pytest.approx(0.06)
+    steps(8, 30, late_s=0.06)  # 3.5 s of late steps: no probe
     assert len(link.probes_sent) == probes
     steps(30, 50, late_s=0.0)
     assert len(link.probes_sent) > probes  # steps fit again: probing again

@@ -184,21 +184,20 @@ def test_a_sustained_drop_shows_once_the_last_second_saw_it_and_a_short_dip_does
 
 
 def test_steps_that_wait_for_their_exchange_drop_the_samples_of_the_path_before():
-    """Two steps in a row waiting more than a tenth of the compute time for their exchange: the
-    samples so far described a faster path, and the next one stands alone. One late step, or
-    late steps with a fitting one between them, move nothing."""
-    ctrl = controller(overrun_share=0.1, overrun_steps=2)
+    """Two of three steps waiting more than half the compute time for their exchange: the samples
+    so far described a faster path, and the next one stands alone. One late step, or two with two
+    fitting ones between them, move nothing."""
+    ctrl = controller(overrun_share=0.5, overrun_steps=2)
     run(ctrl, [500] * 16)  # 8 s at 500 Mbit/s, compute 0.5 s
     assert fits(ctrl.density, 500) and not fits(ctrl.density, 100)
-    for wait, now in ((0.2, 8.0), (0.0, 8.5), (0.2, 9.0)):
+    for wait, now in ((0.3, 8.0), (0.0, 8.5), (0.0, 8.6), (0.3, 9.0), (0.25, 9.1)):  # 0.25: half the compute
         assert not ctrl.observe_wait(wait, now)
-    ctrl.observe_bandwidth(100 * MBIT, 9.0)
-    assert ctrl.decide(9.0).bandwidth_Bps == 500 * MBIT and ctrl.overruns == 0
-    assert not ctrl.observe_wait(0.05, 9.5)  # a tenth of the compute: not late
-    assert not ctrl.observe_wait(0.06, 9.6) and ctrl.observe_wait(0.3, 9.7)
-    ctrl.observe_bandwidth(100 * MBIT, 9.7)
-    decision = ctrl.decide(9.7)
+    ctrl.observe_bandwidth(100 * MBIT, 9.1)
+    assert ctrl.decide(9.1).bandwidth_Bps == 500 * MBIT and ctrl.overruns == 0
+    assert ctrl.observe_wait(0.4, 9.2)  # late, fitting, late: they alternate with staleness 1
+    ctrl.observe_bandwidth(100 * MBIT, 9.2)
+    decision = ctrl.decide(9.2)
     assert decision.bandwidth_Bps == 100 * MBIT and fits(decision.density, 100) and ctrl.overruns == 1
-    assert not ctrl.observe_wait(0.3, 9.8)  # counting starts again
+    assert not ctrl.observe_wait(0.4, 9.3)  # counting starts again
     with pytest.raises(ConfigError):
-        ctrl.observe_wait(-1.0, 9.9)
+        ctrl.observe_wait(-1.0, 9.4)

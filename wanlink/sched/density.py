@@ -18,8 +18,9 @@ its backward share (staleness 0). The controller turns that into a density from 
   window as the lower samples fill it; one low sample among them still moves nothing);
 - compute-time samples (seconds per step, without waiting for the network), summarised by their
   median, so one slow step does not move it;
-- how long each step waited for its exchange after its compute: once ``overrun_steps`` steps in a
-  row waited more than ``overrun_share`` of the compute time, the exchange no longer fits the path
+- how long each step waited for its exchange after its compute: once ``overrun_steps`` of the last
+  ``overrun_steps + 1`` steps waited more than ``overrun_share`` of the compute time (with staleness
+  1 a step that waited leaves the next one more time: late steps alternate), the exchange no longer fits the path
   the bandwidth samples describe (the path slowed down, or a raise overshot), and the samples taken
   before are dropped: the next ones stand alone (the rules above would take a second or more of
   lower samples, at up to twice the compute time a step);
@@ -72,7 +73,7 @@ class DensityController:
                  latency_s: float = 0.0, window_s: float = 8.0, percentile: float = 20.0,
                  raise_ratio: float = 1.7, hold_s: float = 3.0, levels_per_octave: int = 4,
                  compute_samples: int = 9, drop_s: float = 1.0, drop_samples: int = 3,
-                 overrun_share: float = 0.1, overrun_steps: int = 2):
+                 overrun_share: float = 0.5, overrun_steps: int = 2):
         self.full_bytes = _positive("full_bytes", full_bytes)
         self.max_density = _positive("max_density", max_density)
         self.min_density = _positive("min_density", min_density)
@@ -99,7 +100,7 @@ class DensityController:
         self.levels_per_octave = levels_per_octave
         self.overrun_share, self.overrun_steps = _positive("overrun_share", overrun_share), overrun_steps
         self.overruns = 0  # times the bandwidth samples were dropped (observe_wait)
-        self._late_steps = 0  # steps in a row that waited more than overrun_share of the compute
+        self._late: deque[bool] = deque(maxlen=overrun_steps + 1)  # the last steps: waited > overrun_share?
         self._bandwidth: deque[tuple[float, float]] = deque()  # (t, bytes/s)
         self._compute: deque[float] = deque(maxlen=compute_samples)
         self._last_t: float | None = None
@@ -121,15 +122,15 @@ class DensityController:
 
     def observe_wait(self, seconds: float, now: float) -> bool:
         """How long a step waited for its exchange after its compute (0: hidden). True when this made
-        ``overrun_steps`` late steps in a row: the bandwidth samples so far were dropped."""
+        ``overrun_steps`` late steps of the last ``overrun_steps + 1``: the bandwidth samples so far were
+        dropped (and the count starts again)."""
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
             raise ConfigError(f"a wait must be a number >= 0, got {seconds!r}")
         self._tick(now)
-        late = bool(self._compute) and seconds > self.overrun_share * statistics.median(self._compute)
-        self._late_steps = self._late_steps + 1 if late else 0
-        if self._late_steps < self.overrun_steps:
+        self._late.append(bool(self._compute) and seconds > self.overrun_share * statistics.median(self._compute))
+        if sum(self._late) < self.overrun_steps:
             return False
-        self._late_steps = 0
+        self._late.clear()
         self._bandwidth.clear()
         self.overruns += 1
         return True
