@@ -719,6 +719,18 @@ async def test_probe_messages_are_timed_apart_from_the_applications(pair):
     assert pair.client.wire.reading()[::2] == (1000, 1)
 
 
+async def test_open_since_says_when_the_earliest_message_awaiting_its_acks_was_sent(pair):
+    loop = asyncio.get_running_loop()
+    handle_now = pair.client.ack_received
+    pair.client.ack_received = lambda stream, header: loop.call_later(0.3, handle_now, stream, header)
+    before = time.monotonic()
+    sending = asyncio.ensure_future(pair.client.send(b"x" * 1000, tag=3))
+    await pair.accepted.recv_into(bytearray(1000), tag=3)
+    assert before <= pair.client.open_since() <= time.monotonic() and pair.client.open_since(probes=True) is None
+    await sending
+    assert pair.client.open_since() is None
+
+
 async def test_a_probe_burst_sends_one_part_on_each_stream(pair):
     """density="auto"'s probes ask every stream's congestion window for more (ProbeSchedule): the
     parts start one loop iteration apart, so each goes to the next stream in turn."""

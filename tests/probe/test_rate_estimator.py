@@ -179,6 +179,26 @@ def test_wire_time_leaves_out_the_gaps_between_messages_and_counts_overlap_once(
     assert wire.reading(rtt) == (4500, pytest.approx(0.055), 5)
 
 
+def test_wire_time_holds_back_messages_overlapping_one_still_open():
+    """Two 1 MB parts sent together on two streams, on the wire 50 and 60 ms: read while the second
+    is open, the first waits for it, and both count over their union (33 MB/s); read apart, the
+    second's bytes would count over only its 10 ms tail (100 MB/s, five times the path's share)."""
+    held, apart = WireTime(), WireTime()
+    for wire in (held, apart):
+        wire.on_message(0.0, 0.09, 1_000_000)  # 50 ms past the 40 ms round trip
+    assert held.reading(0.04, open_since=0.001) == (0, 0.0, 0)  # the second part is still open
+    first = apart.reading(0.04)
+    for wire in (held, apart):
+        wire.on_message(0.001, 0.1, 1_000_000)
+    acked, seconds, messages = held.reading(0.04)
+    assert messages == 2 and acked / seconds == pytest.approx(2_000_000 / 0.06)
+    acked, seconds, _ = apart.reading(0.04)
+    assert (acked - first[0]) / (seconds - first[1]) == pytest.approx(1_000_000 / 0.01)
+    later = WireTime()
+    later.on_message(0.0, 0.09, 1_000_000)
+    assert later.reading(0.04, open_since=0.2)[0] == 1_000_000  # it ended before the open one began
+
+
 def test_wire_time_never_credits_a_message_with_less_than_its_resolution():
     wire = WireTime(resolution_s=0.005)
     wire.on_message(0.0, 0.03, 25_000)  # acknowledged within the round trip: the rate is unseen

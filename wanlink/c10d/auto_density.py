@@ -85,9 +85,9 @@ class LinkDeliveryRate:
         rtts = [link.min_rtt_s() for link in links]
         self.rtt_s = min((rtt for rtt in rtts if rtt is not None), default=0.0)
         busy = self.meter.update([(id(link), *link.sending.reading()) for link in links], self.rtt_s)
-        wire = self.wire_meter.update([(id(link), *link.wire.reading(rtt or self.rtt_s))
+        wire = self.wire_meter.update([(id(link), *link.wire.reading(rtt or self.rtt_s, _open(link, False, now)))
                                        for link, rtt in zip(links, rtts)], 0.0)
-        probe = self.probe_meter.update([(id(link), *link.probe_wire.reading(rtt or self.rtt_s))
+        probe = self.probe_meter.update([(id(link), *link.probe_wire.reading(rtt or self.rtt_s, _open(link, True, now)))
                                          for link, rtt in zip(links, rtts)], 0.0)
         for name, rate in (("busy", busy), ("wire", wire), ("probe", probe)):
             if rate is not None:
@@ -115,6 +115,13 @@ class LinkDeliveryRate:
         for link in links:
             link.loop.call_soon_threadsafe(_send_probe, link, [payload[:part] for part in
                                                                self.probes.parts(size, link.streams_alive)])
+
+
+def _open(link, probes: bool, now: float) -> float | None:
+    """When ``link``'s earliest message (probe) still awaiting its acks was sent, unless over HOLD_S
+    ago (a message nobody receives must not hold the meter's readings back for ever)."""
+    since = link.open_since(probes)
+    return since if since is not None and now - since <= HOLD_S else None
 
 
 _PROBE_PAYLOADS: dict[int, memoryview] = {}

@@ -161,6 +161,13 @@ class Link:
         self._time_acks()
         return self._probe_wire
 
+    def open_since(self, probes: bool = False) -> float | None:
+        """When the earliest message still awaiting its acks was sent (``time.monotonic``; with
+        ``probes``, of those on PROBE_DISCARD_TAG, else of the others); None when none is. For
+        ``WireTime.reading`` (any thread)."""
+        return min((transfer.started for transfer, _done in list(self._outgoing.values())
+                    if (transfer.tag == PROBE_DISCARD_TAG) == probes), default=None)
+
     def _time_acks(self) -> None:
         if not self.timing_acks:
             self.timing_acks = True

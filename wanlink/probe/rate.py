@@ -196,13 +196,27 @@ class WireTime:
         """A message of ``nbytes`` sent at ``start`` was acknowledged in full at ``end``."""
         self._finished.append((start, end, nbytes))
 
-    def reading(self, rtt_s: float = 0.0) -> tuple[int, float, int]:
+    def reading(self, rtt_s: float = 0.0, open_since: float | None = None) -> tuple[int, float, int]:
         """(acked bytes, seconds on the wire, messages), cumulative, with the messages finished
-        since the last reading placed using the round trip ``rtt_s`` (the path's minimum)."""
-        finished, self._finished = self._finished, []
-        intervals = sorted((start, max(end - max(rtt_s, 0.0), start + self.resolution_s), nbytes)
-                           for start, end, nbytes in finished)
-        for start, stop, nbytes in intervals:
+        since the last reading placed using the round trip ``rtt_s`` (the path's minimum).
+        ``open_since``: when the earliest message still awaiting its acks was sent (None: none is).
+        Finished messages overlapping it on the wire wait for it: counted now, their overlap
+        would go to this reading and the open message's bytes to a later one over only its own
+        tail (parallel parts of a probe read up to 6x the path's rate that way)."""
+        finished = sorted(self._finished)
+        stops = [max(end - max(rtt_s, 0.0), start + self.resolution_s) for start, end, _ in finished]
+        count = len(finished)
+        if open_since is not None:  # hold back the group of overlapping messages that reaches it, and later ones
+            group_first, group_stop = 0, self._covered_until
+            for index, ((start, _end, _n), stop) in enumerate(zip(finished, stops)):
+                if start > group_stop:
+                    group_first = index
+                group_stop = max(group_stop, stop)
+                if group_stop >= open_since:
+                    count = group_first
+                    break
+        self._finished = finished[count:]
+        for (start, _end, nbytes), stop in zip(finished[:count], stops):
             start = max(start, self._covered_until)
             if stop > start:
                 self.wire_s += stop - start
