@@ -102,7 +102,9 @@ def worker(args) -> None:
         records.append({"iteration": iteration, "seconds": end - begin, "wall": end - start, "loss": loss.item(),
                         "density": None if state is None else state.density,
                         "estimate_mbit": None if estimate is None else 8 * estimate / 1e6,
-                        **({"meters_mbit": meters} if meters else {})})
+                        **({"meters_mbit": meters, "exposed_s": density_stats["exposed_s"],
+                            "compute_s": density_stats["compute_s"], "overruns": density_stats["overruns"]}
+                           if meters else {})})
         watchdog.tick()
     watchdog.tick()  # the teardown's own budget
     if state is not None and state.flush():
@@ -151,9 +153,11 @@ def phase_rows(row: dict, rates: list[float], phase_s: float, floor_s: float) ->
         steady = inside[SKIP_PER_PHASE:] or inside
         median = statistics.median(r["seconds"] for r in steady) if steady else float("nan")
         densities = [r["density"] for r in steady if r["density"] is not None]
+        exposed = [r["exposed_s"] for r in steady if "exposed_s" in r]  # auto: the wait for the exchange
         out.append({"variant": row["variant"], "phase": index, "rate_mbit": rate, "iterations": len(inside),
                      "median_iteration_s": median, "x_floor": median / floor_s,
-                     "median_density": statistics.median(densities) if densities else None})
+                     "median_density": statistics.median(densities) if densities else None,
+                     "median_exposed_s": statistics.median(exposed) if exposed else None})
     return out
 
 
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     printable = [{k: ("" if v is None else v) for k, v in row.items()} for row in rows]
     print_table(printable, [("variant", "variant", ""), ("rate_mbit", "Mbit/s", "g"), ("iterations", "iters", "d"),
                        ("median_iteration_s", "s/iteration", ".3f"), ("x_floor", "x floor", ".2f"),
-                       ("median_density", "density", ".4g")])
+                       ("median_density", "density", ".4g"), ("median_exposed_s", "exchange wait s", ".3f")])
     run.save_json(args.name, {"phases": rows, "runs": runs, "floor_s": floor_s, "floor_runs_s": floors,
                               "rates_mbit": args.rates,
                               "phase_s": args.phase_s, "rtt_ms": args.rtt_ms, "auto_bounds": AUTO_BOUNDS,

@@ -161,14 +161,18 @@ class _FakeLink:
         from wanlink.probe.rate import SendingTime, WireTime
 
         self.sending, self.wire, self.probe_wire, self.rtt_s = SendingTime(), WireTime(), WireTime(), rtt_s
-        self.loop, self.closed, self.probes_sent = self, False, []
+        self.loop, self.closed, self.probes_sent, self.streams_alive = self, False, [], 4
 
-    def call_soon_threadsafe(self, _send, link, payload):  # LinkDeliveryRate.probe's way onto the loop
+    def call_soon_threadsafe(self, _send, link, parts):  # LinkDeliveryRate.probe's way onto the loop
         assert link is self
-        self.probes_sent.append(len(payload))
+        self.probes_sent.append(sum(map(len, parts)))
+        self.parts = [len(part) for part in parts]
 
     def min_rtt_s(self):
         return self.rtt_s
+
+    def open_since(self, probes):  # every message sent so far was acknowledged
+        return None
 
     def burst(self, t: float, nbytes: int, seconds: float) -> None:
         """One message alone in its busy period."""
@@ -289,20 +293,21 @@ def test_a_probe_burst_reads_the_path_where_small_messages_read_their_ack_delays
     assert readings == [pytest.approx(100e6), pytest.approx(6e6)]
 
 
-def test_probes_go_out_at_most_every_so_often_sized_by_the_rate_seen():
+def test_probes_go_out_at_most_every_so_often_sized_by_the_rate_seen_and_spread_over_the_streams():
     from wanlink.c10d.auto_density import LinkDeliveryRate
     from wanlink.probe.rate import ProbeSchedule
 
     link = _FakeLink(rtt_s=0.04)
-    rate = LinkDeliveryRate(lambda: [link], probes=ProbeSchedule(every_s=1.0, probe_s=0.02, growth=2.0,
-                                                                   min_bytes=10_000, max_bytes=1_000_000))
+    rate = LinkDeliveryRate(lambda: [link], probes=ProbeSchedule(every_s=1.0, growth=2.0, min_bytes=10_000,
+                                                                   max_bytes=1_000_000))
     rate.probe(0.0)  # nothing measured yet: the smallest
     rate.probe(0.5)  # too soon
-    rate.latest["wire"] = 5e6
-    rate.probe(1.0)  # 2 x 5 MB/s x 20 ms
+    rate.latest["wire"], rate.rtt_s = 2e6, 0.04
+    rate.probe(1.0)  # a round trip at 2 x 2 MB/s
+    assert link.parts == [40_000] * 4  # one part per stream
     rate.latest["probe"] = 100e6
     rate.probe(2.0)  # capped
-    assert link.probes_sent == [10_000, 200_000, 1_000_000]
+    assert link.probes_sent == [10_000, 160_000, 1_000_000]
     assert LinkDeliveryRate(lambda: []).probe(0.0) is None  # no links (another backend): nothing to probe
 
 
@@ -318,3 +323,41 @@ def test_the_hook_probes_once_nothing_it_launched_is_in_flight():
     assert link.probes_sent == []  # the step's second bucket is still on the wire
     auto.exchange_done(0, second, 1000, rank0_proposal=0.001)
     assert len(link.probes_sent) == 1
+
+
+def test_steps_waiting_for_their_exchange_drop_the_held_samples_and_hold_back_the_probes():
+    """0.1 s steps: while each exchange completes within its step, the probe's 100 MB/s stands and
+    probes go out (once a second); once two steps in a row wait 60 ms for theirs (the path slowed
+    down), the held sample goes, the messages' 4 MB/s stands alone, and no probe goes out until a
+    step fits again."""
+    from wanlink.c10d.auto_density import AutoDensity, LinkDeliveryRate
+
+    clock, link = FakeClock(), _FakeLink(rtt_s=0.04)
+    rate = LinkDeliveryRate(lambda: [link])
+    auto = AutoDensity(min_density=0.001, max_density=0.1, staleness=0, clock=clock, link_rate=rate)
+
+    def steps(first: int, last: int, late_s: float) -> None:
+        for n in range(first, last):
+            auto.begin_step(n, full_bytes=1e6)
+            started = auto.exchange_started(n)
+            link.wire.on_message(clock.now, clock.now + 0.065, 100_000)  # 25 ms past the RTT: 4 MB/s
+            clock.now += 0.09
+            auto.bucket_called(n)  # its last bucket; then DDP waits for the exchange
+            clock.now += late_s
+            auto.exchange_done(n, started, 100_000, rank0_proposal=0.001)
+            clock.now += 0.01
+            if n == 2:
+                link.probe_wire.on_message(clock.now, clock.now + 0.06, 2_000_000)  # 100 MB/s
+
+    steps(0, 5, late_s=0.0)
+    assert rate.latest["probe"] == pytest.approx(100e6)
+    probes = len(link.probes_sent)
+    steps(5, 7, late_s=0.06)  # the second late step shows at the next step's start
+    steps(7, 8, late_s=0.06)
+    assert auto.controller.overruns == 1 and "probe" not in rate.latest
+    assert auto.controller.bandwidth_estimate(clock.now) == pytest.approx(4e6)
+    assert auto.stats()["exposed_s"] == pytest.approx(0.06)
+    steps(8, 30, late_s=0.06)  # 3.5 s of late steps: no probe
+    assert len(link.probes_sent) == probes
+    steps(30, 50, late_s=0.0)
+    assert len(link.probes_sent) > probes  # steps fit again: probing again

@@ -699,15 +699,33 @@ async def test_pending_says_what_a_stuck_link_still_sends_and_awaits(pair):
 async def test_a_messages_wire_time_ends_at_its_kernel_ack_not_the_peers_late_ack_frame(pair):
     """Link.wire reads each message's end from the peer's kernel (Link.kernel_acks): a peer whose
     application acknowledges late (here its ack frames handled 0.6 s after they came) does not read
-    as a slow link."""
+    as a slow link. The clock runs only once something read the meter, and only on WAN streams
+    (these loopback ones are taken for WAN streams here)."""
     loop = asyncio.get_running_loop()
     handle_now = pair.client.ack_received
     pair.client.ack_received = lambda stream, header: loop.call_later(0.6, handle_now, stream, header)
-    started = time.monotonic()
-    await asyncio.gather(pair.client.send(b"x" * 100_000, tag=3), pair.accepted.recv_into(bytearray(100_000), tag=3))
-    assert time.monotonic() - started >= 0.6  # the application's ack came late
+
+    async def exchange() -> float:
+        started = time.monotonic()
+        sending = asyncio.ensure_future(pair.client.send(b"x" * 100_000, tag=3))
+        await pair.accepted.recv_into(bytearray(100_000), tag=3)
+        tracked = len(pair.client.kernel_acks)  # the message awaits its (late) ack
+        await sending
+        assert time.monotonic() - started >= 0.6  # the application's ack came late
+        return tracked
+
+    for stream in pair.client._streams:
+        stream.is_local = False
+    assert await exchange() == 0 and not pair.client.timing_acks  # nobody read the meter: no clock
+    _, wire_before, _ = pair.client.wire.reading()
+    assert wire_before >= 0.6 and pair.client.timing_acks  # that message ended at its ack frame
+    assert all(s._quickack for s in pair.client._streams) and not any(s._quickack for s in pair.accepted._streams)
+    assert await exchange() == 1
     acked, wire, messages = pair.client.wire.reading()
-    assert (acked, messages) == (100_000, 1) and wire < 0.4  # the kernel's came within milliseconds
+    assert (acked, messages) == (200_000, 2) and wire - wire_before < 0.4  # the kernel's ack came within milliseconds
+    for stream in pair.client._streams:
+        stream.is_local = True
+    assert await exchange() == 0  # loopback streams: nothing to time
     assert len(pair.client.kernel_acks) == 0  # finished messages are forgotten
 
 
@@ -719,6 +737,29 @@ async def test_probe_messages_are_timed_apart_from_the_applications(pair):
     await asyncio.gather(pair.client.send(b"x" * 1000, tag=3), pair.accepted.recv_into(bytearray(1000), tag=3))
     assert pair.client.probe_wire.reading()[::2] == (50_000, 1)
     assert pair.client.wire.reading()[::2] == (1000, 1)
+
+
+async def test_open_since_says_when_the_earliest_message_awaiting_its_acks_was_sent(pair):
+    loop = asyncio.get_running_loop()
+    handle_now = pair.client.ack_received
+    pair.client.ack_received = lambda stream, header: loop.call_later(0.3, handle_now, stream, header)
+    before = time.monotonic()
+    sending = asyncio.ensure_future(pair.client.send(b"x" * 1000, tag=3))
+    await pair.accepted.recv_into(bytearray(1000), tag=3)
+    assert before <= pair.client.open_since() <= time.monotonic() and pair.client.open_since(probes=True) is None
+    await sending
+    assert pair.client.open_since() is None
+
+
+async def test_a_probe_burst_sends_one_part_on_each_stream(pair):
+    """density="auto"'s probes ask every stream's congestion window for more (ProbeSchedule): the
+    parts start one loop iteration apart, so each goes to the next stream in turn."""
+    from wanlink.c10d.auto_density import _send_probe
+
+    before = [stream.chunks_sent for stream in pair.client._streams]
+    _send_probe(pair.client, [memoryview(bytes(100_000))] * 4)
+    await _until(lambda: pair.client.probe_wire.reading()[2] == 4)
+    assert [stream.chunks_sent - sent for stream, sent in zip(pair.client._streams, before)] == [1] * 4
 
 
 async def test_eager_credit_comes_back_in_batches_and_a_short_sender_still_completes():

@@ -179,6 +179,26 @@ def test_wire_time_leaves_out_the_gaps_between_messages_and_counts_overlap_once(
     assert wire.reading(rtt) == (4500, pytest.approx(0.055), 5)
 
 
+def test_wire_time_holds_back_messages_overlapping_one_still_open():
+    """Two 1 MB parts sent together on two streams, on the wire 50 and 60 ms: read while the second
+    is open, the first waits for it, and both count over their union (33 MB/s); read apart, the
+    second's bytes would count over only its 10 ms tail (100 MB/s, five times the path's share)."""
+    held, apart = WireTime(), WireTime()
+    for wire in (held, apart):
+        wire.on_message(0.0, 0.09, 1_000_000)  # 50 ms past the 40 ms round trip
+    assert held.reading(0.04, open_since=0.001) == (0, 0.0, 0)  # the second part is still open
+    first = apart.reading(0.04)
+    for wire in (held, apart):
+        wire.on_message(0.001, 0.1, 1_000_000)
+    acked, seconds, messages = held.reading(0.04)
+    assert messages == 2 and acked / seconds == pytest.approx(2_000_000 / 0.06)
+    acked, seconds, _ = apart.reading(0.04)
+    assert (acked - first[0]) / (seconds - first[1]) == pytest.approx(1_000_000 / 0.01)
+    later = WireTime()
+    later.on_message(0.0, 0.09, 1_000_000)
+    assert later.reading(0.04, open_since=0.2)[0] == 1_000_000  # it ended before the open one began
+
+
 def test_wire_time_never_credits_a_message_with_less_than_its_resolution():
     wire = WireTime(resolution_s=0.005)
     wire.on_message(0.0, 0.03, 25_000)  # acknowledged within the round trip: the rate is unseen
@@ -222,13 +242,53 @@ def test_kernel_acks_fall_back_to_the_applications_ack_and_never_end_after_it():
 
 # -- ProbeSchedule: probe bursts that grow with the rate they show -------------------------------
 
-def test_probe_schedule_sizes_each_probe_from_the_rate_seen_at_most_every_so_often():
+def test_probe_schedule_sizes_each_probe_for_a_round_trip_at_twice_the_rate_seen_at_most_every_so_often():
     from wanlink.probe.rate import ProbeSchedule
 
-    probes = ProbeSchedule(every_s=1.0, probe_s=0.02, growth=2.0, min_bytes=64_000, max_bytes=4_000_000)
-    assert probes.due(0.0, None) == 64_000  # nothing measured: the smallest
-    assert probes.due(0.9, 10e6) is None  # under every_s since the last
-    assert probes.due(1.0, 10e6) == 400_000  # 2 x 20 ms at 10 MB/s: takes 40 ms if the path is that fast
-    assert probes.due(2.5, 1e6) == 64_000 and probes.due(3.5, 1e9) == 4_000_000  # clamped
+    probes = ProbeSchedule(every_s=1.0, growth=2.0, min_bytes=64_000, max_bytes=4_000_000)
+    assert probes.due(0.0, None, 0.04) == 64_000  # nothing measured: the smallest
+    assert probes.due(0.9, 10e6, 0.04) is None  # under every_s since the last
+    assert probes.due(1.0, 10e6, 0.04) == 800_000  # a 40 ms round trip at 2 x 10 MB/s
+    assert probes.due(2.0, 10e6, None) == 64_000  # no round trip known
+    assert probes.due(3.0, 0.5e6, 0.04) == 64_000 and probes.due(4.5, 1e9, 0.04) == 4_000_000  # clamped
+    assert ProbeSchedule.parts(800_002, 4) == [200_001, 200_001, 200_000, 200_000]
+    assert ProbeSchedule.parts(3, 8) == [1, 1, 1] and ProbeSchedule.parts(5, 0) == [5]
     with pytest.raises(ConfigError, match="growth >= 1"):
         ProbeSchedule(growth=0.5)
+
+
+def _window_limited_crossing(parts: list[int], windows: list[float], rtt_s: float, path_Bps: float) -> float:
+    """A toy of slow start: each round trip every stream sends what its window allows of its part,
+    serialised at the path's rate; a window that limited its stream doubles. Seconds to the last ack."""
+    left, seconds = list(parts), 0.0
+    while any(left):
+        sent = [min(window, rest) for window, rest in zip(windows, left)]
+        for i, (window, rest) in enumerate(zip(windows, left)):
+            if rest > window:
+                windows[i] = 2 * window
+            left[i] = rest - sent[i]
+        seconds += rtt_s + sum(sent) / path_Bps
+    return seconds
+
+
+def test_probes_asking_for_more_than_the_windows_allow_grow_them_until_they_read_the_path():
+    """Four streams whose windows shrank to 100 kB each after a drop (10 MB/s over 40 ms) on a path
+    that carries 125 MB/s again: each probe, sized by ProbeSchedule and spread over the streams,
+    asks every window for more than it allows; the rate it reads (a lower bound: one round trip
+    off) grows a probe until it meets the path's, and every window grows, as a step's messages go
+    to any stream. Sent on one stream, the other windows stay as they were."""
+    from wanlink.probe.rate import ProbeSchedule
+
+    rtt, path = 0.04, 125e6
+    readings, windows = {}, {}
+    for spread in (True, False):
+        probes, windows[spread], rate = ProbeSchedule(max_bytes=4 * 2**20), [100e3] * 4, 10e6
+        readings[spread] = []
+        for second in range(6):
+            size = probes.due(float(second), rate, rtt)
+            parts = ProbeSchedule.parts(size, 4 if spread else 1) + [0] * (0 if spread else 3)
+            rate = size / (_window_limited_crossing(parts, windows[spread], rtt, path) - rtt)
+            readings[spread].append(rate)
+    assert readings[True][0] > 1.5 * 10e6 and readings[True][3] > 0.8 * path
+    assert all(later > earlier for earlier, later in zip(readings[True], readings[True][1:4]))
+    assert min(windows[True]) >= 2**20 and windows[False][1:] == [100e3] * 3

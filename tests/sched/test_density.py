@@ -181,3 +181,23 @@ def test_a_sustained_drop_shows_once_the_last_second_saw_it_and_a_short_dip_does
     assert feed(fast, [100] * 5 + [500], start=8.0) == 500 * MBIT  # a dip of 0.5 s
     assert feed(fast, [120] * 11, start=8.6) == 120 * MBIT  # 1.1 s of lower samples
     assert feed(percentile_only, [100] * 5 + [500] + [120] * 11, start=8.0) == 500 * MBIT
+
+
+def test_steps_that_wait_for_their_exchange_drop_the_samples_of_the_path_before():
+    """Two of three steps waiting more than half the compute time for their exchange: the samples
+    so far described a faster path, and the next one stands alone. One late step, or two with two
+    fitting ones between them, move nothing."""
+    ctrl = controller(overrun_share=0.5, overrun_steps=2)
+    run(ctrl, [500] * 16)  # 8 s at 500 Mbit/s, compute 0.5 s
+    assert fits(ctrl.density, 500) and not fits(ctrl.density, 100)
+    for wait, now in ((0.3, 8.0), (0.0, 8.5), (0.0, 8.6), (0.3, 9.0), (0.25, 9.1)):  # 0.25: half the compute
+        assert not ctrl.observe_wait(wait, now)
+    ctrl.observe_bandwidth(100 * MBIT, 9.1)
+    assert ctrl.decide(9.1).bandwidth_Bps == 500 * MBIT and ctrl.overruns == 0
+    assert ctrl.observe_wait(0.4, 9.2)  # late, fitting, late: they alternate with staleness 1
+    ctrl.observe_bandwidth(100 * MBIT, 9.2)
+    decision = ctrl.decide(9.2)
+    assert decision.bandwidth_Bps == 100 * MBIT and fits(decision.density, 100) and ctrl.overruns == 1
+    assert not ctrl.observe_wait(0.4, 9.3)  # counting starts again
+    with pytest.raises(ConfigError):
+        ctrl.observe_wait(-1.0, 9.4)

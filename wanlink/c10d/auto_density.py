@@ -14,15 +14,18 @@ What the hook measures (the probe bursts are its only extra messages):
   of the messages finished over their time on the wire, each from its send to the peer's kernel
   acknowledging its last byte less one round trip, overlapping ones sharing their time
   (``WireTime``, ``KernelAcks``: the gaps between a step's buckets, which a busy period spans,
-  drop out); and probe bursts sent while nothing of the hook's is in flight, sized to show a
-  faster path than the one seen (``ProbeSchedule``), since a step's messages at a low density
-  cross a fast path in less time than acknowledging them takes. Time this rank spent computing
+  drop out); and probe bursts sent while nothing of the hook's is in flight and the steps fit,
+  one round trip's worth at twice the rate seen, spread over the streams (``ProbeSchedule``):
+  a step's messages at a low density cross a fast path in less time than acknowledging them
+  takes, and never ask the congestion windows for more than they allow. Time this rank spent computing
   or waiting for the peer with nothing in flight is not counted, unlike the exchange times,
   which count a late peer or a busy CPU as a slow link. For a group whose links the hook cannot
   see (another backend) it falls back to those: the bytes a step sent over the summed durations
   (launch to completion) of its exchanges, less all but one latency (the shortest recent
   exchange's duration stands for it). ``bandwidth=`` replaces them all with a source of the
-  caller's (a simulated schedule in tests).
+  caller's (a simulated schedule in tests);
+- how long each step waited for its exchange: steps that wait in a row make the controller drop
+  its bandwidth samples (``DensityController.observe_wait``) and the meters their held ones.
 
 Agreement: every rank appends its proposal (a float64) to each bucket message of the all-gather it
 sends anyway; every rank reads rank 0's from the gathered buffer and uses it from ``LAG`` steps
@@ -82,9 +85,9 @@ class LinkDeliveryRate:
         rtts = [link.min_rtt_s() for link in links]
         self.rtt_s = min((rtt for rtt in rtts if rtt is not None), default=0.0)
         busy = self.meter.update([(id(link), *link.sending.reading()) for link in links], self.rtt_s)
-        wire = self.wire_meter.update([(id(link), *link.wire.reading(rtt or self.rtt_s))
+        wire = self.wire_meter.update([(id(link), *link.wire.reading(rtt or self.rtt_s, _open(link, False, now)))
                                        for link, rtt in zip(links, rtts)], 0.0)
-        probe = self.probe_meter.update([(id(link), *link.probe_wire.reading(rtt or self.rtt_s))
+        probe = self.probe_meter.update([(id(link), *link.probe_wire.reading(rtt or self.rtt_s, _open(link, True, now)))
                                          for link, rtt in zip(links, rtts)], 0.0)
         for name, rate in (("busy", busy), ("wire", wire), ("probe", probe)):
             if rate is not None:
@@ -96,16 +99,29 @@ class LinkDeliveryRate:
         # all err low (see wanlink.probe.rate.WireTime, ProbeSchedule): the highest is the nearest
         return max(self.latest.values())
 
+    def forget(self) -> None:
+        """Drop the meters' held samples (the path changed under them): the next call's stand alone."""
+        self.latest.clear()
+        self._taken.clear()
+
     def probe(self, now: float) -> None:
         """The links are idle (any thread): send each a probe burst if one is due (``ProbeSchedule``),
         on ``PROBE_DISCARD_TAG`` (the peer's transport drops it) with the latest EDF deadline."""
         links = self.links()
-        size = self.probes.due(now, max(self.latest.values(), default=None)) if links else None
+        size = self.probes.due(now, max(self.latest.values(), default=None), self.rtt_s) if links else None
         if size is None:
             return
-        payload = _probe_payload(self.probes.max_bytes)[:size]
+        payload = _probe_payload(self.probes.max_bytes)
         for link in links:
-            link.loop.call_soon_threadsafe(_send_probe, link, payload)
+            link.loop.call_soon_threadsafe(_send_probe, link, [payload[:part] for part in
+                                                               self.probes.parts(size, link.streams_alive)])
+
+
+def _open(link, probes: bool, now: float) -> float | None:
+    """When ``link``'s earliest message (probe) still awaiting its acks was sent, unless over HOLD_S
+    ago (a message nobody receives must not hold the meter's readings back for ever)."""
+    since = link.open_since(probes)
+    return since if since is not None and now - since <= HOLD_S else None
 
 
 _PROBE_PAYLOADS: dict[int, memoryview] = {}
@@ -118,12 +134,15 @@ def _probe_payload(nbytes: int) -> memoryview:
     return _PROBE_PAYLOADS[nbytes]
 
 
-def _send_probe(link, payload: memoryview) -> None:
-    """On ``link``'s loop: start the probe; its failure is the link's, reported by its next operation."""
-    if link.closed:
+def _send_probe(link, parts: list) -> None:
+    """On ``link``'s loop: send the probe's parts as messages, each queued one loop iteration after
+    the one before, so that each starts on the next stream in turn (a stream takes all it is given
+    while its kernel buffer has room); a failure is the link's, reported by its next operation."""
+    if link.closed or not parts:
         return
-    task = link.loop.create_task(link.send(payload, tag=PROBE_DISCARD_TAG, deadline=math.inf))
+    task = link.loop.create_task(link.send(parts[0], tag=PROBE_DISCARD_TAG, deadline=math.inf))
     task.add_done_callback(lambda done: done.cancelled() or done.exception())
+    link.loop.call_soon(_send_probe, link, parts[1:])
 
 
 def group_links(group) -> list:
@@ -169,6 +188,8 @@ class AutoDensity:
         self._done: dict[int, list] = {}  # step -> [exchanges done, bytes, summed durations, last completion]
         self._agreed: dict[int, float] = {}  # step -> rank 0's proposal made at that step
         self._recent_durations: deque[float] = deque(maxlen=64)  # the shortest stands for the latency
+        self.exposed_s = 0.0  # how long the last step waited for its exchange after its compute
+        self.overrunning = False  # the controller dropped its samples (observe_wait), and no step fitted since
 
     # -- the hook's calls --------------------------------------------------------------------------
     def begin_step(self, step: int, full_bytes: float) -> float:
@@ -215,20 +236,26 @@ class AutoDensity:
             done[3] = max(done[3], now)
             self._agreed[step] = rank0_proposal
             idle = all(self._done.get(s, (0,))[0] == launched for s, launched in self._launched.items())
-        if idle and self.bandwidth is None and self.link_rate is not None and self.link_rate.available:
+        if (idle and not self.overrunning and self.bandwidth is None and self.link_rate is not None
+                and self.link_rate.available):
             self.link_rate.probe(now)  # nothing of ours in flight until the next step's first bucket
 
     # -- internals ---------------------------------------------------------------------------------
     def _observe(self, step: int, now: float) -> None:
         """Feed the controller what the steps before ``step`` showed (caller holds the lock)."""
         previous = step - 1
+        source = self.bandwidth or self.link_rate
         if previous in self._first:
             waited_for = self._done.get(previous - self.staleness)
             exposed = max(0.0, waited_for[3] - self._last[previous]) if waited_for else 0.0
             compute = now - self._first[previous] - exposed
             if compute > 0:
                 self.controller.observe_compute(compute, now)
-        source = self.bandwidth or self.link_rate
+            self.exposed_s = exposed
+            overran = self.controller.observe_wait(exposed, now)  # dropped its samples
+            self.overrunning = overran or (self.overrunning and exposed > 0)
+            if overran and self.link_rate is not None:
+                self.link_rate.forget()  # and so do the meters: their held ones describe the path before
         sample = source(now) if source is not None else None
         if sample is not None:
             self.controller.observe_bandwidth(sample, now)
@@ -272,4 +299,6 @@ class AutoDensity:
                 "bandwidth_Bps": None if decision is None else decision.bandwidth_Bps,
                 "compute_s": None if decision is None else decision.compute_s,
                 "meters_Bps": dict(self.link_rate.latest) if self.link_rate is not None else {},
+                "exposed_s": self.exposed_s, "overruns": 0 if self.controller is None else self.controller.overruns,
+                "full_bytes": None if self.controller is None else self.controller.full_bytes,
                 "staleness_needed": bool(decision and decision.staleness_needed)}

@@ -140,15 +140,45 @@ class Link:
         self.send_log: collections.deque | None = None  # (tag, seq, offset) per chunk handed to a stream
         self.delivery = DeliveryRateEstimator()  # acknowledged bytes/s, a low percentile: errs low
         self.sending = SendingTime()  # busy periods of what we send (density="auto" reads it)
-        self.wire = WireTime()  # and each message's time on the wire, to its last byte's kernel ack
-        self.probe_wire = WireTime()  # the same for what we send on PROBE_DISCARD_TAG
-        self.kernel_acks = KernelAcks()  # when the peer's kernel acknowledged each message (TCP streams)
+        self._wire = WireTime()  # each message's time on the wire (``wire``)
+        self._probe_wire = WireTime()  # the same for what we send on PROBE_DISCARD_TAG (``probe_wire``)
+        self.kernel_acks = KernelAcks()  # when the peer's kernel acknowledged each message (WAN TCP streams)
+        self.timing_acks = False  # kernel acks tracked: from the first read of ``wire`` or ``probe_wire`` on
         self._ack_poll: asyncio.TimerHandle | None = None
 
     def record_send_order(self, maxlen: int = 100_000) -> collections.deque:
         """Start logging the order in which chunks leave (for tests and tracing); returns the log."""
         self.send_log = collections.deque(maxlen=maxlen)
         return self.send_log
+
+    @property
+    def wire(self) -> WireTime:
+        """Each message's time on the wire, from its send to its last byte's ack (the peer's kernel's
+        on WAN streams, see ``KernelAcks``). Reading it the first time turns the kernel-ack clock on
+        (TCP_INFO read per chunk written and polled while a message awaits its acks; TCP_QUICKACK on
+        this side's reads, for the peer's clock): only ``density="auto"`` reads it, and no other
+        link pays for it. Until then a message ends at the peer's ack frame."""
+        self._time_acks()
+        return self._wire
+
+    @property
+    def probe_wire(self) -> WireTime:
+        """``wire`` for what we send on PROBE_DISCARD_TAG (probe bursts); reading it turns the same clock on."""
+        self._time_acks()
+        return self._probe_wire
+
+    def open_since(self, probes: bool = False) -> float | None:
+        """When the earliest message still awaiting its acks was sent (``time.monotonic``; with
+        ``probes``, of those on PROBE_DISCARD_TAG, else of the others); None when none is. For
+        ``WireTime.reading`` (any thread)."""
+        return min((transfer.started for transfer, _done in list(self._outgoing.values())
+                    if (transfer.tag == PROBE_DISCARD_TAG) == probes), default=None)
+
+    def _time_acks(self) -> None:
+        if not self.timing_acks:
+            self.timing_acks = True
+            for stream in self._streams:
+                stream.ack_quickly()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Link":
@@ -332,7 +362,7 @@ class Link:
         """``stream`` put all of ``chunk`` into its kernel buffer (or found it acknowledged already)."""
         transfer = chunk.transfer
         transfer.written(chunk)
-        if stream.sock.family != socket.AF_UNIX:
+        if self.timing_acks and not stream.is_local:
             self._note_kernel_position(transfer, stream)
         if transfer.settle_written and not transfer.unwritten:
             self._settle_written(transfer)
@@ -363,7 +393,7 @@ class Link:
             if transfer.complete:
                 del self._outgoing[key]
                 finished = time.monotonic()
-                wire = self.probe_wire if transfer.tag == PROBE_DISCARD_TAG else self.wire
+                wire = self._probe_wire if transfer.tag == PROBE_DISCARD_TAG else self._wire
                 wire.on_message(transfer.started, self.kernel_acks.finish(key, finished), transfer.total)
                 transfer.release_copy(self._copies)
                 if not self._outgoing:  # nothing left to send: the coming gap is the application's
@@ -465,6 +495,8 @@ class Link:
             return
         old = self._streams[index]
         self._streams[index] = Stream(self, sock, index, keys)
+        if self.timing_acks:
+            self._streams[index].ack_quickly()
         if old.alive:  # dead to the peer, which re-opened it
             old.abort()
             self._salvage(old)

@@ -60,7 +60,13 @@ class Stream:
         self._read_done: asyncio.Future = loop.create_future()  # set once the reader stopped
         self._writable: asyncio.Future | None = None  # awaited by the writer while the socket is full
         self._goodbye: asyncio.Task | None = None  # delivering an ABORT before the socket closes
-        self._quickack = hasattr(socket, "TCP_QUICKACK") and not is_local_socket(sock)
+        self.is_local = is_local_socket(sock)  # Unix or loopback: no WAN to time or to ack quickly for
+        self._quickack = False  # see ack_quickly
+
+    def ack_quickly(self) -> None:
+        """Acknowledge every read at once from now on (``_ack_now``; WAN streams only): the peer times
+        its messages by our kernel's acks (``Link.wire``)."""
+        self._quickack = hasattr(socket, "TCP_QUICKACK") and not self.is_local
 
     def start(self) -> None:
         self.loop.add_reader(self.sock, self._on_readable)

@@ -196,13 +196,27 @@ class WireTime:
         """A message of ``nbytes`` sent at ``start`` was acknowledged in full at ``end``."""
         self._finished.append((start, end, nbytes))
 
-    def reading(self, rtt_s: float = 0.0) -> tuple[int, float, int]:
+    def reading(self, rtt_s: float = 0.0, open_since: float | None = None) -> tuple[int, float, int]:
         """(acked bytes, seconds on the wire, messages), cumulative, with the messages finished
-        since the last reading placed using the round trip ``rtt_s`` (the path's minimum)."""
-        finished, self._finished = self._finished, []
-        intervals = sorted((start, max(end - max(rtt_s, 0.0), start + self.resolution_s), nbytes)
-                           for start, end, nbytes in finished)
-        for start, stop, nbytes in intervals:
+        since the last reading placed using the round trip ``rtt_s`` (the path's minimum).
+        ``open_since``: when the earliest message still awaiting its acks was sent (None: none is).
+        Finished messages overlapping it on the wire wait for it: counted now, their overlap
+        would go to this reading and the open message's bytes to a later one over only its own
+        tail (parallel parts of a probe read up to 6x the path's rate that way)."""
+        finished = sorted(self._finished)
+        stops = [max(end - max(rtt_s, 0.0), start + self.resolution_s) for start, end, _ in finished]
+        count = len(finished)
+        if open_since is not None:  # hold back the group of overlapping messages that reaches it, and later ones
+            group_first, group_stop = 0, self._covered_until
+            for index, ((start, _end, _n), stop) in enumerate(zip(finished, stops)):
+                if start > group_stop:
+                    group_first = index
+                group_stop = max(group_stop, stop)
+                if group_stop >= open_since:
+                    count = group_first
+                    break
+        self._finished = finished[count:]
+        for (start, _end, nbytes), stop in zip(finished[:count], stops):
             start = max(start, self._covered_until)
             if stop > start:
                 self.wire_s += stop - start
@@ -266,31 +280,45 @@ class KernelAcks:
 
 class ProbeSchedule:
     """When a link's sender should send a probe burst, and how large (pure: the caller gives the
-    times and the rate it has seen so far, and sends the probe while its link is idle).
+    times, the rate it has seen so far and the path's round trip, and sends the probe while its
+    link is idle).
 
     At a low density a step's messages are a few hundred kB on a path that carries megabytes per
     round trip: they cross in a fraction of a millisecond, so their wire time is mostly the delays
     of acknowledging them (a poll's interval, the loops), and every meter reads a rate far below
-    the path's. A probe of ``growth x rate x probe_s`` bytes takes ``growth x probe_s`` on a path
-    as fast as ``rate`` and less on a faster one; its rate, a lower bound like the others, then
-    grows by ``growth`` or more a probe until it meets the path's. At most one probe every
-    ``every_s``, of ``min_bytes`` to ``max_bytes`` (``min_bytes`` while nothing was measured): on a
-    path that just slowed down, one probe costs at most ``max_bytes`` of its time.
+    the path's. Worse, after the path slowed down and sped up again, the streams' congestion
+    windows stay small: a window grows only while the sender has more to send than it allows (TCP
+    does not grow it for traffic the application limits), and small messages never do. So a probe
+    asks for more than the rate seen, as BBR's bandwidth probing does: ``growth x rate x rtt``
+    bytes, one round trip's worth at ``growth`` times that rate, spread over the link's streams by
+    the caller. Where the rate seen is what the windows allowed, the probe is window-limited on
+    every stream, the windows grow, and it reads up to ``growth`` times the rate; where the path is
+    faster still, it crosses in less than a round trip and reads the path. Its rate, a lower bound
+    like the others, grows by up to ``growth`` a probe until it meets the path's. At most one probe
+    every ``every_s``, of ``min_bytes`` to ``max_bytes`` (``min_bytes`` while nothing was measured
+    or the round trip is unknown): on a path that just slowed down, one probe costs at most
+    ``max_bytes`` of its time.
     """
 
-    def __init__(self, *, every_s: float = 1.0, probe_s: float = 0.02, growth: float = 2.0,
-                 min_bytes: int = 64 * 1024, max_bytes: int = 4 * 1024 * 1024):
-        if not (every_s > 0 and probe_s > 0 and growth >= 1 and 0 < min_bytes <= max_bytes):
-            raise ConfigError(f"need every_s > 0, probe_s > 0, growth >= 1 and 0 < min_bytes <= max_bytes (got "
-                              f"{every_s}, {probe_s}, {growth}, {min_bytes}, {max_bytes})")
-        self.every_s, self.probe_s, self.growth = float(every_s), float(probe_s), float(growth)
+    def __init__(self, *, every_s: float = 1.0, growth: float = 2.0, min_bytes: int = 64 * 1024,
+                 max_bytes: int = 4 * 1024 * 1024):
+        if not (every_s > 0 and growth >= 1 and 0 < min_bytes <= max_bytes):
+            raise ConfigError(f"need every_s > 0, growth >= 1 and 0 < min_bytes <= max_bytes (got "
+                              f"{every_s}, {growth}, {min_bytes}, {max_bytes})")
+        self.every_s, self.growth = float(every_s), float(growth)
         self.min_bytes, self.max_bytes = int(min_bytes), int(max_bytes)
         self._last: float | None = None
 
-    def due(self, now: float, rate_Bps: float | None) -> int | None:
+    def due(self, now: float, rate_Bps: float | None, rtt_s: float | None) -> int | None:
         """The size of the probe to send now (bytes), or None when the last one was under ``every_s`` ago."""
         if self._last is not None and now - self._last < self.every_s:
             return None
         self._last = now
-        size = self.min_bytes if rate_Bps is None else self.growth * rate_Bps * self.probe_s
+        size = self.min_bytes if rate_Bps is None or not rtt_s else self.growth * rate_Bps * rtt_s
         return int(min(self.max_bytes, max(self.min_bytes, size)))
+
+    @staticmethod
+    def parts(size: int, streams: int) -> list[int]:
+        """``size`` bytes cut into one part per stream (as equal as can be), so every window is asked for more."""
+        count = max(1, min(streams, size))
+        return [size // count + (i < size % count) for i in range(count)]

@@ -18,6 +18,12 @@ its backward share (staleness 0). The controller turns that into a density from 
   window as the lower samples fill it; one low sample among them still moves nothing);
 - compute-time samples (seconds per step, without waiting for the network), summarised by their
   median, so one slow step does not move it;
+- how long each step waited for its exchange after its compute: once ``overrun_steps`` of the last
+  ``overrun_steps + 1`` steps waited more than ``overrun_share`` of the compute time (with staleness
+  1 a step that waited leaves the next one more time: late steps alternate), the exchange no longer fits the path
+  the bandwidth samples describe (the path slowed down, or a raise overshot), and the samples taken
+  before are dropped: the next ones stand alone (the rules above would take a second or more of
+  lower samples, at up to twice the compute time a step);
 
 and quantises the answer onto a geometric grid below ``max_density`` with hysteresis: it lowers
 the density at once when the current one no longer fits, and raises it only when a density at
@@ -66,7 +72,8 @@ class DensityController:
                  initial: float | None = None, margin: float = 0.8, backward_share: float = 0.6,
                  latency_s: float = 0.0, window_s: float = 8.0, percentile: float = 20.0,
                  raise_ratio: float = 1.7, hold_s: float = 3.0, levels_per_octave: int = 4,
-                 compute_samples: int = 9, drop_s: float = 1.0, drop_samples: int = 3):
+                 compute_samples: int = 9, drop_s: float = 1.0, drop_samples: int = 3,
+                 overrun_share: float = 0.5, overrun_steps: int = 2):
         self.full_bytes = _positive("full_bytes", full_bytes)
         self.max_density = _positive("max_density", max_density)
         self.min_density = _positive("min_density", min_density)
@@ -80,16 +87,20 @@ class DensityController:
         if latency_s < 0 or not 0.0 <= percentile <= 100.0 or raise_ratio < 1.0 or hold_s < 0:
             raise ConfigError(f"need latency_s >= 0, 0 <= percentile <= 100, raise_ratio >= 1, hold_s >= 0 "
                               f"(got {latency_s!r}, {percentile!r}, {raise_ratio!r}, {hold_s!r})")
-        if (not isinstance(levels_per_octave, int) or levels_per_octave < 1 or compute_samples < 1
-                or not isinstance(drop_samples, int) or drop_samples < 1):
-            raise ConfigError(f"levels_per_octave, compute_samples and drop_samples must be ints >= 1 "
-                              f"(got {levels_per_octave!r}, {compute_samples!r}, {drop_samples!r})")
+        if any(not isinstance(value, int) or value < 1
+               for value in (levels_per_octave, compute_samples, drop_samples, overrun_steps)):
+            raise ConfigError(f"levels_per_octave, compute_samples, drop_samples and overrun_steps must be ints "
+                              f">= 1 (got {levels_per_octave!r}, {compute_samples!r}, {drop_samples!r}, "
+                              f"{overrun_steps!r})")
         self.staleness = staleness
         self.margin, self.backward_share, self.latency_s = float(margin), float(backward_share), float(latency_s)
         self.window_s = _positive("window_s", window_s)
         self.drop_s, self.drop_samples = _positive("drop_s", drop_s), drop_samples
         self.percentile, self.raise_ratio, self.hold_s = float(percentile), float(raise_ratio), float(hold_s)
         self.levels_per_octave = levels_per_octave
+        self.overrun_share, self.overrun_steps = _positive("overrun_share", overrun_share), overrun_steps
+        self.overruns = 0  # times the bandwidth samples were dropped (observe_wait)
+        self._late: deque[bool] = deque(maxlen=overrun_steps + 1)  # the last steps: waited > overrun_share?
         self._bandwidth: deque[tuple[float, float]] = deque()  # (t, bytes/s)
         self._compute: deque[float] = deque(maxlen=compute_samples)
         self._last_t: float | None = None
@@ -108,6 +119,21 @@ class DensityController:
         sample = _positive("a compute-time sample", seconds)
         self._tick(now)
         self._compute.append(sample)
+
+    def observe_wait(self, seconds: float, now: float) -> bool:
+        """How long a step waited for its exchange after its compute (0: hidden). True when this made
+        ``overrun_steps`` late steps of the last ``overrun_steps + 1``: the bandwidth samples so far were
+        dropped (and the count starts again)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+            raise ConfigError(f"a wait must be a number >= 0, got {seconds!r}")
+        self._tick(now)
+        self._late.append(bool(self._compute) and seconds > self.overrun_share * statistics.median(self._compute))
+        if sum(self._late) < self.overrun_steps:
+            return False
+        self._late.clear()
+        self._bandwidth.clear()
+        self.overruns += 1
+        return True
 
     # -- output ------------------------------------------------------------------------------------
     def bandwidth_estimate(self, now: float) -> float | None:
