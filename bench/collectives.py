@@ -13,10 +13,12 @@ the ratio of the p50 times: above 1, wanlink is faster.
     python bench/collectives.py [--worlds 2 4] [--sizes 64K 1M 4M 16M 64M 256M] [--iters 40] [--count]
 
 ``--count`` adds, per point, what one wanlink op costs each rank's two threads (the caller's and the
-wanlink-io loop's): Python calls (a profile hook, in a pass of its own), thread CPU time, read- and
-write-type system calls (``/proc``: recv*, send*, read, write; not futex or epoll_wait) and
-voluntary / involuntary context switches. Each is the difference between a window of barrier + op
-iterations and one of barriers alone, divided by the iterations, so the gloo barrier is not counted.
+wanlink-io loop's): Python calls and socket calls made from Python (sendmsg, recv_into, ...: one
+system call each), both counted by a profile hook in passes of their own; thread CPU time;
+read()/write() calls (``/proc``: the loop's wake-up eventfd; socket calls are not in that count)
+and voluntary (sleeps: futex, epoll_wait) / involuntary context switches. Each is the difference
+between a window of barrier + op iterations and one of barriers alone, divided by the iterations,
+so the gloo barrier is not counted.
 
 Writes collectives.{txt,json,png} to --out (bench/results/ with --publish).
 """
@@ -106,7 +108,9 @@ def time_point(op: str, nbytes: int, groups: dict, sync, iters: int) -> dict[str
 
 
 THREADS = ("caller", "io")
-COUNTERS = ("calls", "cpu_us", "syscr", "syscw", "vcsw", "ivcsw")
+COUNTERS = ("calls", "sock_calls", "cpu_us", "syscr", "syscw", "vcsw", "ivcsw")
+HOOKED = ("calls", "sock_calls")  # counted by the profile hook, in passes of their own
+SOCKET_CALLS = frozenset({"sendmsg", "send", "sendall", "recv_into", "recv", "recvmsg", "setsockopt", "getsockopt"})
 
 
 def thread_counters(native_id: int, ident: int) -> dict[str, float]:
@@ -122,20 +126,23 @@ def thread_counters(native_id: int, ident: int) -> dict[str, float]:
 
 
 class CallCounter:
-    """Counts Python function calls (coroutine resumptions included) of the thread it is installed in."""
+    """Counts Python function calls (coroutine resumptions included) and socket method calls (each a
+    system call: sendmsg, recv_into, ...) of the thread it is installed in."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls = self.sock_calls = 0
 
-    def hook(self, _frame, event, _arg) -> None:
+    def hook(self, _frame, event, arg) -> None:
         if event == "call":
             self.calls += 1
+        elif event == "c_call" and getattr(arg, "__name__", None) in SOCKET_CALLS:
+            self.sock_calls += 1
 
 
 def count_point(call, sync, iters: int) -> dict[str, dict[str, float]]:
     """Per thread (caller, io): ``COUNTERS`` per op: a window of barrier + ``call`` iterations minus
-    one of barriers alone, over ``iters``. Python calls are counted in passes of their own (the hook
-    costs CPU)."""
+    one of barriers alone, over ``iters``. Python and socket calls are counted in passes of their own
+    (the hook costs CPU)."""
     import threading
 
     import torch.distributed as dist
@@ -173,7 +180,8 @@ def count_point(call, sync, iters: int) -> dict[str, dict[str, float]]:
         if hooked:
             on_loop(None)
         spent = {name: {key: after[name][key] - before[name][key] for key in before[name]} for name in threads}
-        spent["caller"]["calls"], spent["io"]["calls"] = caller_calls.calls, io_calls.calls
+        for name, counter in (("caller", caller_calls), ("io", io_calls)):
+            spent[name].update(calls=counter.calls, sock_calls=counter.sock_calls)
         return spent
 
     def nothing() -> None:
@@ -183,7 +191,7 @@ def count_point(call, sync, iters: int) -> dict[str, dict[str, float]]:
     for hooked in (False, True):
         base, with_op = window(nothing, hooked), window(call, hooked)
         for thread in THREADS:
-            for key in (("calls",) if hooked else COUNTERS[1:]):
+            for key in (HOOKED if hooked else [key for key in COUNTERS if key not in HOOKED]):
                 per_op[thread][key] = (with_op[thread][key] - base[thread][key]) / iters
     return per_op
 
@@ -278,12 +286,12 @@ def table(rows: list[dict]) -> str:
 
 def count_table(counted: list[dict]) -> str:
     """Per op, rank and thread: what one wanlink op costs (see ``--count``)."""
-    lines = [f"{'op':<15}{'ranks':>5}{'size':>9}{'rank':>5} {'thread':<7}|{'Python calls':>13}{'CPU us':>8}"
-             f"{'syscr':>7}{'syscw':>7}{'vcsw':>7}{'ivcsw':>7}"]
+    lines = [f"{'op':<15}{'ranks':>5}{'size':>9}{'rank':>5} {'thread':<7}|{'Python calls':>13}{'socket':>7}"
+             f"{'CPU us':>8}{'syscr':>7}{'syscw':>7}{'vcsw':>7}{'ivcsw':>7}"]
     for row in sorted(counted, key=lambda r: (OPS.index(r["op"]), r["world"], r["bytes"], r["rank"],
                                                THREADS.index(r["thread"]))):
         lines.append(f"{row['op']:<15}{row['world']:>5}{show_size(row['bytes']):>9}{row['rank']:>5} {row['thread']:<7}|"
-                     f"{row['calls']:>13.1f}{row['cpu_us']:>8.0f}{row['syscr']:>7.2f}{row['syscw']:>7.2f}"
+                     f"{row['calls']:>13.1f}{row['sock_calls']:>7.2f}{row['cpu_us']:>8.0f}{row['syscr']:>7.2f}{row['syscw']:>7.2f}"
                      f"{row['vcsw']:>7.2f}{row['ivcsw']:>7.2f}")
     return "\n".join(lines)
 
@@ -330,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         counted += counts
     text = table(rows)
     if counted:
-        text += "\n\nper wanlink op (--count: barrier + op minus barrier alone; syscr/syscw: read/write-type " \
-                "syscalls; vcsw/ivcsw: voluntary/involuntary context switches)\n" + count_table(counted)
+        text += "\n\nper wanlink op (--count: barrier + op minus barrier alone; socket: socket calls made from " \
+                "Python (sendmsg, recv_into, ...: one system call each); syscr/syscw: read()/write() calls (the " \
+                "loop's wake-up eventfd); vcsw/ivcsw: voluntary (sleeps) / involuntary context switches)\n" + \
+                count_table(counted)
     header = run.header()
     print(f"\nwanlink vs gloo collectives over loopback; load {header['load_before'][0]} -> {header['load_after'][0]}; "
           f"up to {args.iters} timed iterations per point, backends alternating\n{text}")
