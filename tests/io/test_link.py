@@ -803,3 +803,25 @@ async def test_a_receive_posted_while_its_chunk_arrives_takes_the_rest_straight_
             for task in (sending, receiving):
                 task.cancel()
             await asyncio.gather(sending, receiving, return_exceptions=True)
+
+
+async def test_a_readable_events_acks_leave_after_the_receives_it_completed_resumed():
+    p = await open_pair(1)
+    try:
+        stream = p.accepted._streams[0]
+        stream.sock = counting = CountingSocket(stream.sock)
+        out, seen = bytearray(1000), {}
+
+        async def receive():
+            await p.accepted.recv_into(out, tag=1)
+            seen["at_resume"] = counting.sendmsg_calls
+
+        receiving = asyncio.ensure_future(receive())
+        await asyncio.sleep(0.05)  # posted: its GRANT is written
+        before = counting.sendmsg_calls
+        await asyncio.wait_for(asyncio.gather(p.client.send(b"x" * 1000, tag=1), receiving), 10)
+        await asyncio.sleep(0.05)
+        assert seen["at_resume"] == before  # the chunk's ack was still held when the receiver resumed...
+        assert counting.sendmsg_calls == before + 1 and out == b"x" * 1000  # ...and left right after
+    finally:
+        await p.close()

@@ -124,6 +124,7 @@ class Link:
         self._wake_start = 0
         self._holding = 0  # > 0: control frames wait for release_frames (one write for all of them)
         self._chunks_due = False  # _write_chunks is scheduled
+        self._frames_due = False  # _release_held_frames is scheduled (it holds one hold_frames)
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
         self._failure_callbacks: list = []
@@ -316,12 +317,23 @@ class Link:
         ``release_frames``, so that what one event produces leaves in one write (nests)."""
         self._holding += 1
 
-    def release_frames(self) -> None:
+    def release_frames(self, after_wakeups: bool = False) -> None:
+        """``after_wakeups``: hold them on until the end of this loop iteration (a readable event's
+        acks: the receives that event completed resume first, and the frames their tasks queue
+        meanwhile join the same write)."""
+        if after_wakeups and self._holding == 1 and not self._frames_due:
+            self._frames_due = True
+            self.loop.call_soon(self._release_held_frames)  # (the hold passes to it)
+            return
         self._holding -= 1
         if not self._holding:
             for stream in self._streams:
                 if stream.control:
                     stream.kick()
+
+    def _release_held_frames(self) -> None:
+        self._frames_due = False
+        self.release_frames()
 
     def place(self, header: Header) -> memoryview:
         """Where a DATA chunk's payload goes; once closing, nowhere (the caller's buffers are released)."""

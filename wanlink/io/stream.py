@@ -142,7 +142,7 @@ class Stream:
                 self.last_rx = self.loop.time()
                 if self._quickack:
                     self._ack_now(sock)
-            link.release_frames()
+            link.release_frames(after_wakeups=True)
 
     def _ack_now(self, sock: socket.socket) -> None:
         """Acknowledge what was just read now. A link carries data both ways, so the kernel treats
