@@ -10,7 +10,15 @@ over the iterations, ``algbw = size / p50`` and ``busbw`` algbw times the op's b
 (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). ``gloo/wanlink`` is
 the ratio of the p50 times: above 1, wanlink is faster.
 
-    python bench/collectives.py [--worlds 2 4] [--sizes 64K 1M 4M 16M 64M 256M] [--iters 40]
+    python bench/collectives.py [--worlds 2 4] [--sizes 64K 1M 4M 16M 64M 256M] [--iters 40] [--count]
+
+``--count`` adds, per point, what one wanlink op costs each rank's two threads (the caller's and the
+wanlink-io loop's): Python calls and socket calls made from Python (sendmsg, recv_into, ...: one
+system call each), both counted by a profile hook in passes of their own; thread CPU time;
+read()/write() calls (``/proc``: the loop's wake-up eventfd; socket calls are not in that count)
+and voluntary (sleeps: futex, epoll_wait) / involuntary context switches. Each is the difference
+between a window of barrier + op iterations and one of barriers alone, divided by the iterations,
+so the gloo barrier is not counted.
 
 Writes collectives.{txt,json,png} to --out (bench/results/ with --publish).
 """
@@ -99,7 +107,96 @@ def time_point(op: str, nbytes: int, groups: dict, sync, iters: int) -> dict[str
     return slowest
 
 
-def bench_rank(rank, world, store_path, sizes, iters, queue) -> None:
+THREADS = ("caller", "io")
+COUNTERS = ("calls", "sock_calls", "cpu_us", "syscr", "syscw", "vcsw", "ivcsw")
+HOOKED = ("calls", "sock_calls")  # counted by the profile hook, in passes of their own
+SOCKET_CALLS = frozenset({"sendmsg", "send", "sendall", "recv_into", "recv", "recvmsg", "setsockopt", "getsockopt"})
+
+
+def thread_counters(native_id: int, ident: int) -> dict[str, float]:
+    """CPU time (us), read/write-type syscalls and context switches of one thread of this process so far."""
+    task = f"/proc/self/task/{native_id}"
+    with open(f"{task}/io") as handle:
+        io = dict(line.split(": ") for line in handle.read().splitlines())
+    with open(f"{task}/status") as handle:
+        status = dict(line.split(":\t") for line in handle.read().splitlines() if "ctxt_switches" in line)
+    return {"cpu_us": time.clock_gettime(time.pthread_getcpuclockid(ident)) * 1e6,
+            "syscr": int(io["syscr"]), "syscw": int(io["syscw"]),
+            "vcsw": int(status["voluntary_ctxt_switches"]), "ivcsw": int(status["nonvoluntary_ctxt_switches"])}
+
+
+class CallCounter:
+    """Counts Python function calls (coroutine resumptions included) and socket method calls (each a
+    system call: sendmsg, recv_into, ...) of the thread it is installed in."""
+
+    def __init__(self):
+        self.calls = self.sock_calls = 0
+
+    def hook(self, _frame, event, arg) -> None:
+        if event == "call":
+            self.calls += 1
+        elif event == "c_call" and getattr(arg, "__name__", None) in SOCKET_CALLS:
+            self.sock_calls += 1
+
+
+def count_point(call, sync, iters: int) -> dict[str, dict[str, float]]:
+    """Per thread (caller, io): ``COUNTERS`` per op: a window of barrier + ``call`` iterations minus
+    one of barriers alone, over ``iters``. Python and socket calls are counted in passes of their own
+    (the hook costs CPU)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from wanlink.io.runtime import get_runtime
+
+    runtime = get_runtime()
+    io_thread = runtime.thread
+    threads = {"caller": (threading.get_native_id(), threading.get_ident()),
+               "io": (io_thread.native_id, io_thread.ident)}
+
+    def on_loop(hook) -> None:
+        done = threading.Event()
+
+        def install() -> None:
+            sys.setprofile(hook)
+            done.set()
+
+        runtime.loop.call_soon_threadsafe(install)
+        done.wait(10)
+
+    def window(op, hooked: bool) -> dict[str, dict[str, float]]:
+        caller_calls, io_calls = CallCounter(), CallCounter()
+        if hooked:
+            on_loop(io_calls.hook)
+        dist.barrier(group=sync)
+        before = {name: thread_counters(*ids) for name, ids in threads.items()}
+        for _ in range(iters):
+            dist.barrier(group=sync)
+            if hooked:
+                sys.setprofile(caller_calls.hook)
+            op()
+            sys.setprofile(None)
+        after = {name: thread_counters(*ids) for name, ids in threads.items()}
+        if hooked:
+            on_loop(None)
+        spent = {name: {key: after[name][key] - before[name][key] for key in before[name]} for name in threads}
+        for name, counter in (("caller", caller_calls), ("io", io_calls)):
+            spent[name].update(calls=counter.calls, sock_calls=counter.sock_calls)
+        return spent
+
+    def nothing() -> None:
+        pass
+
+    per_op = {thread: dict.fromkeys(COUNTERS, 0.0) for thread in THREADS}
+    for hooked in (False, True):
+        base, with_op = window(nothing, hooked), window(call, hooked)
+        for thread in THREADS:
+            for key in (HOOKED if hooked else [key for key in COUNTERS if key not in HOOKED]):
+                per_op[thread][key] = (with_op[thread][key] - base[thread][key]) / iters
+    return per_op
+
+
+def bench_rank(rank, world, store_path, sizes, iters, count_ops, queue) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -111,10 +208,16 @@ def bench_rank(rank, world, store_path, sizes, iters, queue) -> None:
                                 timeout=timedelta(seconds=600))
         groups = {"wanlink": None, "gloo": dist.new_group(backend="gloo")}
         sync = dist.new_group(backend="gloo")
-        rows = []
+        rows, counted = [], []
         for op in OPS:
             for size in sizes:
                 count = iterations(size, iters)
+                if count_ops:
+                    mine = count_point(make_call(op, size, None), sync, count)
+                    everyone = [None] * world
+                    dist.all_gather_object(everyone, mine, group=sync)
+                    counted += [{"op": op, "world": world, "bytes": size, "rank": r, "thread": thread, **values}
+                                for r, per_thread in enumerate(everyone) for thread, values in per_thread.items()]
                 for backend, times in time_point(op, size, groups, sync, count).items():
                     ordered = sorted(times)
                     p50 = percentile(ordered, 0.5)
@@ -128,7 +231,7 @@ def bench_rank(rank, world, store_path, sizes, iters, queue) -> None:
                     print(f"  n={world} {op:<14} {show_size(size):>8}  p50 wanlink {p50['wanlink'] * 1e3:8.2f} ms"
                           f"  gloo {p50['gloo'] * 1e3:8.2f} ms", flush=True)
         if rank == 0:
-            queue.put(rows)
+            queue.put((rows, counted))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent as a failed world
         import traceback
@@ -140,25 +243,26 @@ def bench_rank(rank, world, store_path, sizes, iters, queue) -> None:
     os._exit(0)
 
 
-def run_world(world: int, sizes: list[int], iters: int) -> list[dict]:
+def run_world(world: int, sizes: list[int], iters: int, count_ops: bool = False) -> tuple[list[dict], list[dict]]:
+    """The timed rows of one world size, and (``count_ops``) its per-thread counts."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     with tempfile.TemporaryDirectory(prefix="wanlink-bench-") as workdir:
         store_path = os.path.join(workdir, "store")
-        processes = [context.Process(target=bench_rank, args=(rank, world, store_path, sizes, iters, queue))
+        processes = [context.Process(target=bench_rank, args=(rank, world, store_path, sizes, iters, count_ops, queue))
                      for rank in range(world)]
         for process in processes:
             process.start()
-        rows = queue.get(timeout=3600)
+        result = queue.get(timeout=3600)
         for process in processes:
             process.join(60)
             if process.is_alive():
                 process.kill()
-    if rows is None:
+    if result is None:
         raise SystemExit(f"bench: world of {world} failed")
-    return rows
+    return result
 
 
 def table(rows: list[dict]) -> str:
@@ -177,6 +281,18 @@ def table(rows: list[dict]) -> str:
                          f"{row['algbw_GBps']:>7.2f}{row['busbw_GBps']:>7.2f}")
         ratio = keyed[(op, world, size, "gloo")]["p50_s"] / keyed[(op, world, size, "wanlink")]["p50_s"]
         lines.append(f"{op:<15}{world:>5}{show_size(size):>9} |{cells[0]} |{cells[1]} |{ratio:>13.2f}")
+    return "\n".join(lines)
+
+
+def count_table(counted: list[dict]) -> str:
+    """Per op, rank and thread: what one wanlink op costs (see ``--count``)."""
+    lines = [f"{'op':<15}{'ranks':>5}{'size':>9}{'rank':>5} {'thread':<7}|{'Python calls':>13}{'socket':>7}"
+             f"{'CPU us':>8}{'syscr':>7}{'syscw':>7}{'vcsw':>7}{'ivcsw':>7}"]
+    for row in sorted(counted, key=lambda r: (OPS.index(r["op"]), r["world"], r["bytes"], r["rank"],
+                                               THREADS.index(r["thread"]))):
+        lines.append(f"{row['op']:<15}{row['world']:>5}{show_size(row['bytes']):>9}{row['rank']:>5} {row['thread']:<7}|"
+                     f"{row['calls']:>13.1f}{row['sock_calls']:>7.2f}{row['cpu_us']:>8.0f}{row['syscr']:>7.2f}{row['syscw']:>7.2f}"
+                     f"{row['vcsw']:>7.2f}{row['ivcsw']:>7.2f}")
     return "\n".join(lines)
 
 
@@ -207,20 +323,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["64K", "1M", "4M", "16M", "64M", "256M"],
                         help="per-rank sizes: 64K, 4M, ... or bytes")
     parser.add_argument("--iters", type=int, default=40, help="timed iterations per point up to 16 MiB")
+    parser.add_argument("--count", action="store_true",
+                        help="also count, per op, Python calls, CPU, syscalls and context switches per rank and thread")
     add_output_options(parser)
     args = parser.parse_args(argv)
     run = Run(args)
     sizes = [parse_size(size) for size in args.sizes]
     rows: list[dict] = []
+    counted: list[dict] = []
     for world in args.worlds:
         print(f"world of {world} ranks on loopback", flush=True)
-        rows += run_world(world, sizes, args.iters)
+        timed, counts = run_world(world, sizes, args.iters, args.count)
+        rows += timed
+        counted += counts
     text = table(rows)
+    if counted:
+        text += "\n\nper wanlink op (--count: barrier + op minus barrier alone; socket: socket calls made from " \
+                "Python (sendmsg, recv_into, ...: one system call each); syscr/syscw: read()/write() calls (the " \
+                "loop's wake-up eventfd); vcsw/ivcsw: voluntary (sleeps) / involuntary context switches)\n" + \
+                count_table(counted)
     header = run.header()
     print(f"\nwanlink vs gloo collectives over loopback; load {header['load_before'][0]} -> {header['load_after'][0]}; "
           f"up to {args.iters} timed iterations per point, backends alternating\n{text}")
     run.save_text("collectives.txt", text + "\n")
-    run.save_json("collectives", {"rows": rows})
+    run.save_json("collectives", {"rows": rows, "counts": counted})
     plot(run, rows)
     print(f"wrote {run.out}/collectives.{{txt,json,png}}")
     return 0

@@ -834,3 +834,55 @@ async def test_a_receive_posted_between_two_sends_does_not_put_the_later_deadlin
         assert [tag for tag, _seq, _offset in log] == [2, 1]
     finally:
         await p.close()
+
+
+async def test_a_receive_posted_while_its_chunk_arrives_takes_the_rest_straight_into_its_buffer():
+    async with proxied_pair(1) as (proxy, client, accepted):
+        payload, passed = pattern(2 * MiB, 7), [None]
+
+        def stall_midway(upstream, data):  # 64 KiB to ~320 KiB of the chunk pass, then the proxy stalls
+            if upstream and passed[0] is not None:
+                passed[0] += len(data)
+                if passed[0] >= 64 * 1024:
+                    passed[0] = None
+                    proxy.stall()
+            return data
+
+        proxy.rewrite = stall_midway
+        passed[0] = 0
+        sending = asyncio.ensure_future(client.send(payload, tag=5))  # one chunk (loopback: up to 4 MiB)
+        await _until(lambda: accepted.reassembler.unexpected_bytes > 0)  # arriving into staging
+        out = bytearray(len(payload))
+        receiving = asyncio.ensure_future(accepted.recv_into(out, tag=5))
+        try:
+            await asyncio.sleep(0.05)
+            assert accepted.reassembler.unexpected_bytes == 0  # staging freed at the post: the rest goes to `out`
+            proxy.resume()
+            await asyncio.wait_for(asyncio.gather(sending, receiving), 10)
+            assert out == payload and accepted.reassembler.unexpected_bytes == 0
+        finally:
+            for task in (sending, receiving):
+                task.cancel()
+            await asyncio.gather(sending, receiving, return_exceptions=True)
+
+
+async def test_a_readable_events_acks_leave_after_the_receives_it_completed_resumed():
+    p = await open_pair(1)
+    try:
+        stream = p.accepted._streams[0]
+        stream.sock = counting = CountingSocket(stream.sock)
+        out, seen = bytearray(1000), {}
+
+        async def receive():
+            await p.accepted.recv_into(out, tag=1)
+            seen["at_resume"] = counting.sendmsg_calls
+
+        receiving = asyncio.ensure_future(receive())
+        await asyncio.sleep(0.05)  # posted: its GRANT is written
+        before = counting.sendmsg_calls
+        await asyncio.wait_for(asyncio.gather(p.client.send(b"x" * 1000, tag=1), receiving), 10)
+        await asyncio.sleep(0.05)
+        assert seen["at_resume"] == before  # the chunk's ack was still held when the receiver resumed...
+        assert counting.sendmsg_calls == before + 1 and out == b"x" * 1000  # ...and left right after
+    finally:
+        await p.close()

@@ -222,3 +222,51 @@ def test_fuzz_never_allocates_beyond_limits():
         except RemoteProtocolError:
             pass
     assert sizes and max(sizes) <= 4096
+
+
+def staging_decoder():
+    """A decoder whose chunks land in a staging buffer (as for a message nobody posted yet)."""
+    staging = {}
+
+    def place(header):
+        return memoryview(staging.setdefault((header.tag, header.seq), bytearray(header.raw_len)))
+
+    return FrameDecoder(place, LIMITS), staging
+
+
+@pytest.mark.parametrize("flags", [0, Flags.CHECKSUM])
+def test_a_chunk_redirected_mid_payload_lands_whole_in_its_new_place(flags):
+    dec, staging = staging_decoder()
+    payload = bytes(range(256)) * 4
+    wire = data_frame(3, 0, len(payload), 0, payload, flags=flags, checksum=zlib.crc32(payload) if flags else 0)
+    assert dec.landing() is None
+    assert dec.feed(wire[:HEADER_SIZE + 300]) == []
+    assert dec.landing() == (3, 0, 0)
+    posted = bytearray(len(payload))
+    dec.redirect(memoryview(posted))  # the receive was posted: 300 bytes move, the rest lands there
+    assert posted[:300] == payload[:300] and not any(posted[300:])
+    [event] = dec.feed(wire[HEADER_SIZE + 300:])
+    assert isinstance(event, ChunkReceived) and posted == payload
+    assert staging[(3, 0)][300:] == bytes(len(payload) - 300)  # none of the rest went to staging
+    assert dec.landing() is None
+
+
+def test_a_compressed_chunk_redirected_mid_payload_decompresses_into_its_new_place():
+    dec, staging = staging_decoder()
+    payload = b"wanlink " * 200
+    packed = lz4.block.compress(payload, store_size=False)
+    wire = data_header(1, 2, len(payload), 0, len(packed), flags=Flags.LZ4, raw_len=len(payload)) + packed
+    dec.feed(wire[:HEADER_SIZE + 10])
+    posted = bytearray(len(payload))
+    dec.redirect(memoryview(posted))
+    [event] = dec.feed(wire[HEADER_SIZE + 10:])
+    assert event.header.seq == 2 and posted == payload and not any(staging[(1, 2)])
+
+
+def test_redirect_without_a_payload_in_progress_or_of_another_size_is_local_misuse():
+    dec, _ = staging_decoder()
+    with pytest.raises(LocalProtocolError):
+        dec.redirect(memoryview(bytearray(4)))
+    dec.feed(data_frame(1, 0, 8, 0, b"abcdefgh")[:HEADER_SIZE + 2])
+    with pytest.raises(LocalProtocolError):
+        dec.redirect(memoryview(bytearray(4)))

@@ -237,3 +237,28 @@ def test_staging_pool_is_shared_by_the_links_of_a_process():
     first, second = Reassembler(), Reassembler()
     buffer = _stage_and_claim(first, 1, 12345)
     assert second.place(chunk(1, 0, 12345, 0, 12345)).obj is buffer
+
+
+def test_a_chunk_landing_in_staging_when_posted_moves_to_the_posted_buffer_and_frees_its_staging():
+    r = Reassembler()
+    header = chunk(1, 0, 8, 0, 8)
+    landing = r.place(header)  # an eager chunk is being received into staging...
+    landing[:3] = b"abc"
+    assert r.unexpected_bytes == 8 and r.eager_bytes == 8
+    buf = bytearray(8)
+    entry = r.post(1, memoryview(buf))  # ...when the application posts its buffer
+    assert r.staged_landing(entry) == [0]
+    view = r.land_directly(entry, 0)  # the decoder moves what arrived (redirect) and goes on there
+    view[:3] = landing[:3]
+    r.release_staging(entry, 0)
+    assert r.unexpected_bytes == 0 and r.staged_landing(entry) == []
+    view[3:] = b"defgh"
+    assert r.chunk_done(header) is entry and bytes(buf) == b"abcdefgh"
+    assert r.eager_bytes == 0 and r.take_credit() == 8  # its credit is due back as for any eager chunk
+
+
+def test_no_staged_landing_for_a_message_that_failed_or_was_not_claimed():
+    r = Reassembler()
+    r.place(chunk(1, 0, 8, 0, 8))
+    entry = r.post(1, memoryview(bytearray(4)))  # wrong size: the message fails
+    assert entry.error is not None and r.staged_landing(entry) == []

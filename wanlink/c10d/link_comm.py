@@ -101,16 +101,24 @@ class LinkComm(Comm):
     async def send(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> None:
         if tensor.numel() == 0:
             return
-        with self._exchanging((peer,)):
-            link = await self._link(peer)
+        waiting = self._waiting  # (what _exchanging does, inline: this runs for every message)
+        waiting[peer] = waiting.get(peer, 0) + 1
+        try:
+            link = self._mesh.cached(self._mesh_ranks[peer]) or await self._link(peer)
             await link.send(as_buffer(tensor), tag=self._base_tag | piece, deadline=self._deadline, until="written")
+        finally:
+            waiting[peer] -= 1
 
     async def recv(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> None:
         if tensor.numel() == 0:
             return
-        with self._exchanging((peer,)):
-            link = await self._link(peer)
+        waiting = self._waiting
+        waiting[peer] = waiting.get(peer, 0) + 1
+        try:
+            link = self._mesh.cached(self._mesh_ranks[peer]) or await self._link(peer)
             await link.recv_into(as_buffer(tensor), tag=self._base_tag | piece)
+        finally:
+            waiting[peer] -= 1
 
     async def recv_any(self, peers: Sequence[int], tensor: torch.Tensor, piece: int = 0,
                        landing: Callable[[int], torch.Tensor] | None = None) -> int:

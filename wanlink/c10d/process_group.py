@@ -46,23 +46,41 @@ SHUTDOWN_DRAIN_SECONDS = 10.0
 """Longest the world group waits at shutdown for peers to finish reading what it sent."""
 
 
-class LostMemberWatch:
-    """Cancels the running collective's task when the link to any member of its group has failed
-    (checked every LOST_POLL_S on the loop), so it fails at once naming that rank, even while it
-    waits on another member. Costs one timer per collective, no extra task."""
+class OpWatch:
+    """One timer per op for both things that end it early: its timeout, and (for a collective, whose
+    ``ranks`` are every member) a failed link to any member, checked every LOST_POLL_S on the loop,
+    so that it fails at once naming that rank, even while it waits on another one. Either cancels
+    the op's task; ``expired`` / ``lost`` then say why. (``asyncio.timeout`` beside a poll timer
+    would cost a second timer and its context manager per op.)"""
 
-    def __init__(self, mesh, ranks: Sequence[int]):
+    def __init__(self, mesh, ranks: Sequence[int], seconds: float):
         self.mesh, self.ranks = mesh, ranks
         self.task = asyncio.current_task()
+        self.loop = self.task.get_loop()
+        self.deadline = self.loop.time() + seconds
         self.lost: BaseException | None = None
-        self._timer = self.task.get_loop().call_later(LOST_POLL_S, self._check)
+        self.expired = False
+        self._timer = self._next(self.loop.time())
+
+    def _next(self, now: float) -> asyncio.TimerHandle:
+        if self.ranks and now + LOST_POLL_S < self.deadline:
+            return self.loop.call_at(now + LOST_POLL_S, self._check)
+        return self.loop.call_at(self.deadline, self._expire)
 
     def _check(self) -> None:
+        if not self._member_lost():
+            self._timer = self._next(self.loop.time())
+
+    def _expire(self) -> None:
+        if not self._member_lost():
+            self.expired = True
+            self.task.cancel()
+
+    def _member_lost(self) -> bool:
         self.lost = next(filter(None, (self.mesh.lost(rank) for rank in self.ranks)), None)
         if self.lost is not None:
             self.task.cancel()
-        else:
-            self._timer = self.task.get_loop().call_later(LOST_POLL_S, self._check)
+        return self.lost is not None
 
     def stop(self) -> None:
         self._timer.cancel()
@@ -125,35 +143,38 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
 
         work = WanlinkWork(op, outputs, reports_source, where)
 
+        def timed_out() -> DeadlineExceeded:
+            waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
+                [rank for rank in range(self.group_size) if rank != self.group_rank]
+            silent = comms[0].silent(waiting, SILENT_S) if comms else {}
+            named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
+                            f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
+            return DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
+                                    f"dead, stuck or not calling it{named}")
+
         async def guarded():
             try:
-                watch = LostMemberWatch(self.mesh, self.mesh_ranks) if everyone else None
+                if seconds <= 0:  # expired before it began: nothing is sent
+                    body.close()
+                    raise timed_out()
+                watch = OpWatch(self.mesh, self.mesh_ranks if everyone else (), seconds)
                 try:
-                    if seconds <= 0:  # expired before it began: nothing is sent
-                        body.close()
-                        raise asyncio.TimeoutError
-                    async with asyncio.timeout(seconds):  # (wait_for would run the body as one more task)
-                        result = await body
+                    result = await body  # (wait_for would run the body as one more task)
                 except asyncio.CancelledError:
-                    if watch is None or watch.lost is None:
+                    if watch.lost is None and not watch.expired:
                         raise
                     asyncio.current_task().uncancel()
+                    if watch.lost is None:
+                        raise timed_out() from None
                     raise PeerLost(f"{where}: this collective cannot complete: {watch.lost}") from watch.lost
                 except asyncio.TimeoutError as error:
                     if isinstance(error, DeadlineExceeded):  # from inside the algorithm: it says whom it missed
                         raise DeadlineExceeded(f"{where}: {error}") from None
-                    waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
-                        [rank for rank in range(self.group_size) if rank != self.group_rank]
-                    silent = comms[0].silent(waiting, SILENT_S) if comms else {}
-                    named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
-                                    f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
-                    raise DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
-                                           f"dead, stuck or not calling it{named}") from None
+                    raise timed_out() from None
                 except PeerLost as error:
                     raise PeerLost(f"{where}: {error}") from error
                 finally:
-                    if watch is not None:
-                        watch.stop()
+                    watch.stop()
             except BaseException as error:  # the Work is told here, on the loop: no hand-off through futures
                 work.fail(error)
                 if not isinstance(error, Exception):  # cancellation, interpreter exit: the task ends so too

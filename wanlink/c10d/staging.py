@@ -47,6 +47,8 @@ class Staging:
 
     def finish(self) -> None:
         """Copy working buffers back into the user tensors they stand for."""
+        if not self._write_back:
+            return
         with torch.no_grad():
             for tensor, buffer in self._write_back:
                 tensor.copy_(buffer.view(tensor.shape))

@@ -1,6 +1,7 @@
 """Work objects that torch.distributed hands back for ``async_op=True`` calls."""
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
 import threading
@@ -30,7 +31,9 @@ class WanlinkWork(Work):
         self._source = -1
         self._future: torch.futures.Future | None = None  # made by the first get_future()
         self._future_lock = threading.Lock()
-        self._finished = threading.Event()
+        self._finished = False
+        self._done = _thread.allocate_lock()  # held until finished: waiters block on it (one futex, no
+        self._done.acquire()  # Condition: threading.Event would cost both threads ~20 Python calls per op)
         self._error: BaseException | None = None
 
     # -- told by the collective's coroutine, on the I/O thread --------------------------------
@@ -50,7 +53,7 @@ class WanlinkWork(Work):
     def task_done(self, task: asyncio.Task) -> None:
         """The task's done callback: tells the Work what its coroutine could not, as when the task
         was cancelled before the coroutine began (runtime shutdown)."""
-        if self._finished.is_set():
+        if self._finished:
             return
         if task.cancelled():
             self.fail(asyncio.CancelledError())
@@ -64,7 +67,10 @@ class WanlinkWork(Work):
         callbacks run inline), is completed on the completion thread. A plain ``wait()`` wakes no
         third thread to compete with it for the GIL."""
         with self._future_lock:
-            self._finished.set()
+            if self._finished:
+                return
+            self._finished = True
+            self._done.release()
             wanted = self._future is not None
         if wanted:
             _completions.submit(self._complete_future, self._future)
@@ -82,11 +88,18 @@ class WanlinkWork(Work):
         (the collective's own timeout bounds that).
         """
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if not self._finished.wait(seconds if seconds and seconds > 0 else None):
+        if not self._finished and not self._wait_done(seconds if seconds and seconds > 0 else -1):
             raise DeadlineExceeded(f"{self.label}: Work.wait timed out after {seconds:g} s "
                                    f"(the collective goes on, bounded by its own timeout)")
         if self._error is not None:
             raise self._error
+        return True
+
+    def _wait_done(self, seconds: float) -> bool:
+        """Block until finished or ``seconds`` passed (-1: no limit); True when finished."""
+        if not self._done.acquire(timeout=seconds):
+            return False
+        self._done.release()  # (let any other waiter through too)
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -94,16 +107,16 @@ class WanlinkWork(Work):
             if self._future is not None:
                 return self._future
             self._future = future = torch.futures.Future()
-            finished = self._finished.is_set()
+            finished = self._finished
         if finished:  # nothing can have a callback on it yet: complete it here
             self._complete_future(future)
         return future
 
     def is_completed(self) -> bool:
-        return self._finished.is_set()
+        return self._finished
 
     def is_success(self) -> bool:
-        return self._finished.is_set() and self._error is None
+        return self._finished and self._error is None
 
     def exception(self):
         return self._error

@@ -14,7 +14,7 @@ from wanlink.io.sockets import (
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
-from wanlink.proto.flow import SendFlow, credit_batch, eager_window
+from wanlink.proto.flow import MIN_EAGER_WINDOW, SendFlow, credit_batch, eager_window
 from wanlink.proto.frames import (
     PING_FRAME, FrameType, Header, announce_frame, control_header, credit_frame, grant_frame,
 )
@@ -130,6 +130,7 @@ class Link:
         self._wake_start = 0
         self._holding = 0  # > 0: control frames wait for release_frames (one write for all of them)
         self._chunks_due = False  # _write_chunks is scheduled
+        self._frames_due = False  # _release_held_frames is scheduled (it holds one hold_frames)
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
         self._failure_callbacks: list = []
@@ -234,14 +235,19 @@ class Link:
         "written" saves the ack's round trip; a peer failing after it returns fails the next operation.
 
         The buffer is not copied: keep it unchanged until this returns. Cancelling the caller does
-        not withdraw the message (it is already promised to the peer); it still goes out.
+        not withdraw the message (it is already promised to the peer); it still goes out: ``done``
+        only tells the caller, the transfer's state lives in ``_outgoing`` (awaited directly, not
+        through ``asyncio.shield``: a shield costs the caller one more loop iteration per send).
         """
         if until not in ("acked", "written"):
             raise ConfigError(f"send until must be 'acked' or 'written', got {until!r}")
         view = byte_view(buffer)
         _check_tag(tag, allow_discard=True)
-        self._raise_if_failed(f"send on tag {tag}: 0 of {len(view)} bytes acknowledged")
-        self.limits.check_outgoing("max_transfer_size", len(view), f"send on tag {tag}")
+        total = len(view)
+        if self.error is not None:  # (messages built only to raise: this runs for every message)
+            self._raise_if_failed(f"send on tag {tag}: 0 of {total} bytes acknowledged")
+        if total > self.limits.max_transfer_size:
+            self.limits.check_outgoing("max_transfer_size", total, f"send on tag {tag}")
         seq = self._next_send_seq.get(tag, 0)
         self._next_send_seq[tag] = seq + 1
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
@@ -253,19 +259,24 @@ class Link:
         if tag == PROBE_DISCARD_TAG:  # dropped by the peer: no flow control
             self._queue_chunks([(chunk, False) for chunk in transfer.chunks])
         else:
-            released, announce = self.flow.start(tag, seq, [(chunk, len(chunk.view)) for chunk in transfer.chunks],
-                                                 self.eager_window())
+            flow = self.flow
+            # The window only matters for a message larger than the smallest one eager_window gives.
+            window = total if total <= min(MIN_EAGER_WINDOW, flow.budget // 2) else self.eager_window()
+            released, announce = flow.start(tag, seq, [(chunk, len(chunk.view)) for chunk in transfer.chunks], window)
             if announce:
                 self._queue_frame(announce_frame(tag, seq, transfer.total))
             self._queue_chunks(released)
-        await asyncio.shield(done)
+        await done
 
     async def recv_into(self, buffer, *, tag: int) -> int:
         """Receive the next message on ``tag`` into ``buffer`` (exactly its size); returns its size."""
         view = byte_view(buffer, writable=True)
         _check_tag(tag)
-        self._raise_if_failed(f"recv on tag {tag}: 0 of {len(view)} bytes received")
+        if self.error is not None:
+            self._raise_if_failed(f"recv on tag {tag}: 0 of {len(view)} bytes received")
         entry = self.reassembler.post(tag, view)
+        if entry.landing and not entry.done:
+            self._land_directly(entry)
         self.hold_frames()  # the credit and the grant leave in one write
         try:
             self._return_credit()
@@ -285,6 +296,19 @@ class Link:
             if self.error is None:
                 self.reassembler.unpost(entry)
             raise
+
+    def _land_directly(self, entry: Incoming) -> None:
+        """Chunks of ``entry`` that were arriving into staging when its receive was posted go on
+        into the posted buffer: only what arrived so far is copied (not the whole chunk at its end)."""
+        reassembler = self.reassembler
+        for offset in reassembler.staged_landing(entry):
+            key = (entry.tag, entry.seq, offset)
+            for stream in self._streams:
+                decoder = stream.decoder
+                if stream.alive and decoder is not None and decoder.landing() == key:
+                    decoder.redirect(reassembler.land_directly(entry, offset))
+                    reassembler.release_staging(entry, offset)
+                    break
 
     def message_started(self, tag: int) -> bool:
         """Whether the message the next ``recv_into`` on ``tag`` would receive has started arriving."""
@@ -329,12 +353,23 @@ class Link:
         ``release_frames``, so that what one event produces leaves in one write (nests)."""
         self._holding += 1
 
-    def release_frames(self) -> None:
+    def release_frames(self, after_wakeups: bool = False) -> None:
+        """``after_wakeups``: hold them on until the end of this loop iteration (a readable event's
+        acks: the receives that event completed resume first, and the frames their tasks queue
+        meanwhile join the same write)."""
+        if after_wakeups and self._holding == 1 and not self._frames_due:
+            self._frames_due = True
+            self.loop.call_soon(self._release_held_frames)  # (the hold passes to it)
+            return
         self._holding -= 1
         if not self._holding:
             for stream in self._streams:
                 if stream.control:
                     stream.kick()
+
+    def _release_held_frames(self) -> None:
+        self._frames_due = False
+        self.release_frames()
 
     def place(self, header: Header) -> memoryview:
         """Where a DATA chunk's payload goes; once closing, nowhere (the caller's buffers are released)."""
@@ -371,10 +406,12 @@ class Link:
         """Finish an ``until="written"`` send whose bytes are all in the kernel, once copying its
         unacknowledged ones is cheap (see ``COPY_TO_SETTLE_BYTES``)."""
         pending = self._outgoing.get((transfer.tag, transfer.seq))
-        if pending is None or pending[1].done() or transfer.total - transfer.acked_bytes > COPY_TO_SETTLE_BYTES:
+        if pending is None or transfer.settled or transfer.total - transfer.acked_bytes > COPY_TO_SETTLE_BYTES:
             return
-        transfer.keep_unacked(self._copies)
-        pending[1].set_result(None)
+        transfer.settled = True
+        transfer.keep_unacked(self._copies)  # (also when the caller was cancelled: the message still goes out)
+        if not pending[1].done():
+            pending[1].set_result(None)
 
     def ack_received(self, stream: Stream, header: Header) -> None:
         key = (header.tag, header.seq)
@@ -693,6 +730,11 @@ class Link:
         """The live streams, starting one further each call, so that small messages spread over them."""
         streams = self._streams
         count = len(streams)
+        if count == 1:  # (no generator: this runs for every message)
+            return streams if streams[0].alive else ()
+        return self._rotated(streams, count)
+
+    def _rotated(self, streams: list, count: int):
         self._wake_start = (self._wake_start + 1) % count
         for i in range(count):
             stream = streams[(self._wake_start + i) % count]

@@ -34,6 +34,11 @@ class Runtime:
         self.loop.run_forever()
 
     @property
+    def thread(self) -> threading.Thread:
+        """The loop's thread (bench/collectives.py --count reads its CPU time and context switches)."""
+        return self._thread
+
+    @property
     def running(self) -> bool:
         return self._thread.is_alive()
 

@@ -124,8 +124,9 @@ class Stream:
         link.hold_frames()  # acks, credits and grants this read produces leave together, at the end
         try:
             while budget > 0:
+                target = decoder.buffer()
                 try:
-                    n = sock.recv_into(decoder.buffer())
+                    n = sock.recv_into(target)
                 except (BlockingIOError, InterruptedError):
                     break
                 if n == 0:
@@ -137,6 +138,8 @@ class Stream:
                     self._dispatch(event)
                     if not self._reading:  # the link failed or closed meanwhile
                         return
+                if n < len(target):  # the socket had no more: skip the read that would only say so
+                    break  # (the reader is level-triggered: bytes arriving meanwhile call it again)
         except Exception as exc:  # noqa: BLE001 - see _failed
             self._stop_reading()
             self._failed(exc)
@@ -145,7 +148,7 @@ class Stream:
                 self.last_rx = self.loop.time()
                 if self._quickack:
                     self._ack_now(sock)
-            link.release_frames()
+            link.release_frames(after_wakeups=True)
 
     def _ack_now(self, sock: socket.socket) -> None:
         """Acknowledge what was just read now. A link carries data both ways, so the kernel treats

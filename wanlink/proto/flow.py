@@ -90,6 +90,11 @@ class SendFlow:
         if self._grants and (tag, seq) in self._grants:
             self._grants.remove((tag, seq))
             return [(item, False) for item, _size in items], False
+        if self.budget and not self._waiting:  # the common case: all of it fits the window and the credit
+            total = items[0][1] if len(items) == 1 else sum(size for _item, size in items)
+            if total <= window and total <= self.credit:  # (what _split and _spend would do, without a _Held)
+                self.credit -= total
+                return [(item, True) for item, _size in items], False
         held = _Held(tag, seq, sum(size for _item, size in items), collections.deque(items), [])
         if self.budget:
             _split(held, window)

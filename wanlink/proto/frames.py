@@ -224,6 +224,26 @@ class FrameDecoder:
             return self._on_header_complete()
         return [self._on_payload_complete()]
 
+    def landing(self) -> tuple[int, int, int] | None:
+        """(tag, seq, offset) of the DATA chunk whose payload is being received now, else None."""
+        header = self._header
+        if header is None or header.type is not FrameType.DATA:
+            return None
+        return header.tag, header.seq, header.offset
+
+    def redirect(self, destination: memoryview) -> None:
+        """The chunk being received (``landing()``) goes to ``destination`` from now on (its receive
+        was posted while it arrived into staging): the bytes received so far are copied over, the
+        rest lands there directly."""
+        header = self._header
+        if header is None or header.type is not FrameType.DATA or len(destination) != header.raw_len:
+            raise LocalProtocolError("redirect() needs a DATA payload in progress and a view of its size")
+        if header.flags & FLAG_LZ4:  # the compressed bytes stay; they decompress to the new place
+            self._destination = destination
+            return
+        destination[:self._filled] = self._target[:self._filled]
+        self._target = destination
+
     def feed(self, data: bytes) -> list:
         """Copy ``data`` through buffer()/advance(); convenient for tests and small inputs."""
         events: list = []

@@ -155,6 +155,28 @@ class Reassembler:
             self._finish(entry)
         return entry
 
+    def staged_landing(self, entry: Incoming) -> list[int]:
+        """Offsets of ``entry``'s chunks still arriving into staging although it is claimed now
+        (``post`` came while they arrived): the I/O layer may ``land_directly`` each."""
+        if entry.done or entry.buffer is None or entry.error is not None:
+            return []
+        return [offset for offset, (_view, staged) in entry.landing.items() if staged]
+
+    def land_directly(self, entry: Incoming, offset: int) -> memoryview:
+        """Chunk ``offset`` of ``entry`` (one of ``staged_landing``) lands in the posted buffer from now
+        on: returns where. The caller moves what arrived of it so far there (the decoder's
+        ``redirect``), then frees its staging with ``release_staging``."""
+        length = entry.spans[offset]
+        view = entry.buffer[offset:offset + length]
+        entry.landing[offset] = (view, False)
+        return view
+
+    def release_staging(self, entry: Incoming, offset: int) -> None:
+        """The staging buffer of a chunk redirected by ``land_directly`` is no longer read: free it."""
+        staged = entry.staged.pop(offset)
+        self.unexpected_bytes -= len(staged)
+        self._pool.give(staged)
+
     def unpost(self, entry: Incoming) -> None:
         """Give a posted, unfinished message back (its receiver was cancelled): stage what arrived."""
         if entry.done or entry.buffer is None:

@@ -94,6 +94,13 @@ class FrameOpener:
     def buffer(self) -> memoryview:
         return memoryview(self._staging)[self._filled:self._record]
 
+    def landing(self) -> tuple[int, int, int] | None:
+        return self._decoder.landing()
+
+    def redirect(self, destination: memoryview) -> None:
+        """(A record is opened into the decoder's target when complete: nothing of it is there yet.)"""
+        self._decoder.redirect(destination)
+
     def advance(self, nbytes: int) -> list:
         self._filled += nbytes
         if self._filled < self._record:

@@ -73,13 +73,19 @@ class OutgoingTransfer:
         self.seq = seq
         self.total = len(payload)
         self.deadline = deadline_key(deadline)
-        self.chunks = [Chunk(self, offset, payload[offset:offset + chunk_size])
-                       for offset in range(0, self.total, chunk_size)] or [Chunk(self, 0, payload[0:0])]
-        self._by_offset = {chunk.offset: chunk for chunk in self.chunks}
+        if self.total <= chunk_size:  # one chunk (the common case: no comprehensions)
+            chunk = Chunk(self, 0, payload)
+            self.chunks = [chunk]
+            self._by_offset = {0: chunk}
+        else:
+            self.chunks = [Chunk(self, offset, payload[offset:offset + chunk_size])
+                           for offset in range(0, self.total, chunk_size)]
+            self._by_offset = {chunk.offset: chunk for chunk in self.chunks}
         self.acked_bytes = 0
         self.unacked = len(self.chunks)
         self.unwritten = len(self.chunks)  # chunks waiting for flow control, queued or being written
         self.settle_written = False  # the sender is released once every chunk is written (Link.send)
+        self.settled = False  # ... and was: its unacknowledged chunks have their own copy (keep_unacked)
         self.started = 0.0  # when Link.send took it (time.monotonic), for the link's wire time
         self._copy: bytearray | None = None  # the pool buffer keep_unacked copied into
 
