@@ -27,6 +27,7 @@ class WanTally:
         self.comm, self.sites = comm, sites
         self.rank, self.size, self.piece_bytes = comm.rank, comm.size, comm.piece_bytes
         self.wan_bytes = self.wan_received = 0
+        self.wan_messages, self.wan_peers = 0, set()
 
     def _remote(self, peer):
         return self.sites.site(peer) != self.sites.site(self.rank)
@@ -34,6 +35,8 @@ class WanTally:
     async def send(self, peer, tensor, piece=0):
         if self._remote(peer):
             self.wan_bytes += tensor.numel() * tensor.element_size()
+            self.wan_messages += 1
+            self.wan_peers.add(peer)
         await self.comm.send(peer, tensor, piece)
 
     async def recv(self, peer, tensor, piece=0):
@@ -148,6 +151,21 @@ def test_broadcast_and_all_gather_split_the_wan_bytes_over_the_members():
         return comm.wan_bytes, comm.wan_received
     # its own block out once per other site; half of each of the other site's two blocks in
     assert run_sites(LAYOUTS["2x2"], all_gather) == [(numel * 4, numel * 4)] * 4
+
+
+@pytest.mark.parametrize("layout, partners", [("2x2", {0: {2}, 1: {3}, 2: {0}, 3: {1}}),
+                                               ("interleaved", {0: {1}, 1: {0}, 2: {3}, 3: {2}})])
+def test_all_gather_of_equal_sites_pairs_each_member_with_one_partner_across(layout, partners):
+    """Equal cells: a block crosses whole to the holder's partner (same LocalDPRank), which passes it on:
+    the same WAN bytes per member as one piece per remote member, half the WAN links and messages."""
+    async def all_gather(comm, sites):
+        outputs = [torch.empty(1000) for _ in range(4)]
+        outputs[comm.rank].copy_(data(comm.rank, 1000))
+        await hierarchical.all_gather(comm, sites, outputs)
+        return comm.wan_peers, comm.wan_messages, comm.wan_bytes
+    results = run_sites(LAYOUTS[layout], all_gather)
+    assert {rank: peers for rank, (peers, _m, _b) in enumerate(results)} == partners
+    assert [(messages, nbytes) for _p, messages, nbytes in results] == [(1, 4000)] * 4
 
 
 def test_a_site_map_of_another_size_is_refused():

@@ -175,12 +175,28 @@ def _split_sizes(tensor: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tenso
     return views
 
 
+def _carried(sites: SiteMap, holder: int, ranks: Sequence[int], numel: int) -> list[tuple[int, int]]:
+    """The piece of holder ``holder``'s block of ``numel`` elements that each member ``ranks[j]`` of another
+    site receives over the WAN: where that site has as many members as the holder's, the whole block to the
+    member of the same LocalDPRank (its *partner*; the others get nothing); else one piece per member.
+
+    Paired, each member's WAN bytes are the same as split (its block out to each other site, as much in),
+    but it talks to one member there instead of all of them: a third fewer messages per all-gather of
+    2 x 2 and half the WAN links in use, which is what a small exchange (a sparse bucket's) pays for.
+    """
+    if len(ranks) == len(sites.cell(holder)):
+        partner = sites.local_rank(holder)
+        return [(0, numel) if j == partner else (0, 0) for j in range(len(ranks))]
+    return list(piece_bounds(numel, len(ranks)))
+
+
 async def _spread(comm: Comm, sites: SiteMap, blocks: Mapping[int, torch.Tensor], holding: frozenset[int]) -> None:
     """Every rank's ``blocks[h]`` ends equal to holder h's, for every holder h in ``blocks``.
 
-    Each holder sends its block to every other site split into one piece per member there
-    (SPREAD), and whole to its own site-mates (LOCAL + h); each member that received a piece
-    passes it to its site-mates (LOCAL + h). Ranks in ``holding`` already hold every block.
+    Each holder sends its block to every other site, whole to its partner there or split into one
+    piece per member (:func:`_carried`; SPREAD), and whole to its own site-mates (LOCAL + h); each
+    member that received a piece passes it to its site-mates (LOCAL + h). Ranks in ``holding``
+    already hold every block.
     """
     me = comm.rank
     my_cell = sites.cell(me)
@@ -192,13 +208,14 @@ async def _spread(comm: Comm, sites: SiteMap, blocks: Mapping[int, torch.Tensor]
             transfers += [comm.send(mate, block, LOCAL + holder) for mate in mates]
             for site, ranks in sites.cells.items():
                 if site != home:
+                    carried = _carried(sites, holder, ranks, block.numel())
                     transfers += [comm.send(ranks[j], block[a:b], SPREAD)
-                                  for j, a, b in _overlaps(0, block.numel(), piece_bounds(block.numel(), len(ranks)))]
+                                  for j, a, b in _overlaps(0, block.numel(), carried)]
         elif sites.site(me) == home:
             if me not in holding:
                 transfers.append(comm.recv(holder, block, LOCAL + holder))
         else:
-            pieces = piece_bounds(block.numel(), len(my_cell))
+            pieces = _carried(sites, holder, my_cell, block.numel())
             transfers.append(_relay(comm, holder, block, pieces, my_cell, holding))
     await gather_all(transfers)
 
@@ -210,9 +227,12 @@ async def _relay(comm: Comm, holder: int, block: torch.Tensor, pieces: Sequence[
     me = cell.index(comm.rank)
     a, b = pieces[me]
     others = [j for j in range(len(cell)) if j != me]
-    receives = [comm.recv(cell[j], block[pieces[j][0]:pieces[j][1]], LOCAL + holder) for j in others]
+    receives = [comm.recv(cell[j], block[pieces[j][0]:pieces[j][1]], LOCAL + holder)
+                for j in others if pieces[j][1] > pieces[j][0]]
 
     async def forward() -> None:
+        if b == a:
+            return
         await comm.recv(holder, block[a:b], SPREAD)
         await gather_all([comm.send(cell[j], block[a:b], LOCAL + holder) for j in others if cell[j] not in holding])
 
