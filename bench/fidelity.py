@@ -177,6 +177,20 @@ MODES = ("dense", "sparse s0", "sparse s1")
 UNSAFE = ("sgd, momentum in the optimizer", "adamw, beta1 in the optimizer")
 ADAM_BETAS = (0.9, 0.999)
 TOLERANCE = {"accuracy": 1.0, "loss": 0.02}  # points; relative
+# Learning-rate schedules, the same for every arm: "constant" (each shape's rate throughout), or "cosine":
+# linear warm-up over the first LR_WARMUP of the steps, then cosine decay to zero at the last step.
+SCHEDULES = ("constant", "cosine")
+LR_WARMUP = 0.05
+
+
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """The multiple of the shape's learning rate that optimizer step ``step`` (0-based) of ``steps`` uses."""
+    if schedule == "constant":
+        return 1.0
+    warmup = max(1, round(LR_WARMUP * steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup + 1) / (steps - warmup + 1)))
 
 
 class UncheckedMomentumSGD:
@@ -270,6 +284,9 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
     except ConfigError as error:  # a refused combination is a result of the matrix
         return {**job, "refused": f"{type(error).__name__}: {error}"}
     steps = job.get("steps", shape.steps)
+    schedule = job.get("schedule", "constant")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(schedule, i, steps)) \
+        if schedule != "constant" else None
     every = max(1, steps // EVALUATIONS)
     curve, trace = [], []
     start = time.perf_counter()
@@ -284,6 +301,8 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
             step()
             if last and state is not None and state.flush():
                 step()
+            if scheduler is not None:
+                scheduler.step()
             if before is not None:
                 after = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()])
                 trace.append({"step": iteration, "loss": loss.item(), "update_norm": float((after - before).norm()),
@@ -446,13 +465,16 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=sorted(SHAPES))
-    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 per cell")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds FIRST..FIRST+N-1 per cell")
+    parser.add_argument("--first-seed", type=int, default=0, help="FIRST (to add seeds to a matrix measured in parts)")
     parser.add_argument("--optimizers", nargs="+", default=[*OPTIMIZERS, "refused"],
                         choices=[*OPTIMIZERS, "refused", "adamw-uncorrected"],
                         help="refused: the combinations the sparse path refuses (once per shape and staleness); "
                              "adamw-uncorrected: AdamW's own beta1 behind the hook, run around the refusal")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--steps", type=int, help="training steps of every job (default: each shape's own)")
+    parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
+                        help="learning-rate schedule of every arm (cosine: linear warm-up, cosine decay to zero)")
     parser.add_argument("--density", type=float, default=DENSITY, help="density of the sparse cells")
     parser.add_argument("--name", default="fidelity", help="file name of the JSON and PNG")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
@@ -466,8 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         shapes = list(dict.fromkeys(r["shape"] for r in runs))
     else:
         optimizers = [o for name in args.optimizers for o in (UNSAFE if name == "refused" else (name,))]
-        jobs = matrix_jobs(args.shapes, list(range(args.seeds)), optimizers, args.modes)
-        jobs = [{**job, **({"steps": args.steps} if args.steps else {}), "density": args.density} for job in jobs]
+        seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+        jobs = matrix_jobs(args.shapes, seeds, optimizers, args.modes)
+        jobs = [{**job, **({"steps": args.steps} if args.steps else {}), "density": args.density,
+                 "schedule": args.schedule} for job in jobs]
 
         def progress(outcome):
             result = outcome.get("final", outcome.get("refused", outcome.get("failed", ""))[:60])
