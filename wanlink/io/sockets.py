@@ -244,6 +244,18 @@ def tcp_bytes_acked(sock: socket.socket) -> int | None:
     return info.bytes_acked + info.sacked * info.snd_mss
 
 
+def _tcp_info_fields(sock: socket.socket, fields: tuple, nbytes: int) -> tuple | None:
+    """The values of ``fields`` ((offset, struct) pairs of TCP_INFO), reading only its first
+    ``nbytes``; None where the kernel cannot say (not TCP, closed, too old)."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, nbytes)
+    except (OSError, AttributeError):
+        return None
+    if len(raw) < nbytes:
+        return None
+    return tuple(field.unpack_from(raw, offset)[0] for offset, field in fields)
+
+
 _SEND_PROGRESS_FIELDS = tuple(_TCP_INFO_OFFSETS[name] for name in ("bytes_acked", "notsent_bytes", "bytes_sent",
                                                                      "bytes_retrans"))
 _SEND_PROGRESS_BYTES = max(offset + field.size for offset, field in _SEND_PROGRESS_FIELDS)
@@ -259,13 +271,10 @@ def tcp_send_room(sock: socket.socket) -> int | None:
     closed, before 4.6). Reads only these fields: a link asks it for each stream it writes to."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return None
-    try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _SEND_ROOM_BYTES)
-    except (OSError, AttributeError):
+    fields = _tcp_info_fields(sock, _SEND_ROOM_FIELDS, _SEND_ROOM_BYTES)
+    if fields is None:
         return None
-    if len(raw) < _SEND_ROOM_BYTES:
-        return None
-    mss, unacked, cwnd, notsent = (field.unpack_from(raw, offset)[0] for offset, field in _SEND_ROOM_FIELDS)
+    mss, unacked, cwnd, notsent = fields
     return (cwnd - unacked) * mss - notsent
 
 
@@ -274,13 +283,10 @@ def tcp_send_progress(sock: socket.socket) -> tuple[int, int] | None:
     bytes sent less those retransmitted plus those not sent yet, and ``bytes_acked`` (which counts
     the SYN on the connecting side: one ahead there). None where unknown (not TCP, closed, before 4.19).
     Reads only these fields: ``KernelAcks``' polls call it often."""
-    try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _SEND_PROGRESS_BYTES)
-    except (OSError, AttributeError):
+    fields = _tcp_info_fields(sock, _SEND_PROGRESS_FIELDS, _SEND_PROGRESS_BYTES)
+    if fields is None:
         return None
-    if len(raw) < _SEND_PROGRESS_BYTES:
-        return None
-    acked, notsent, sent, retrans = (field.unpack_from(raw, offset)[0] for offset, field in _SEND_PROGRESS_FIELDS)
+    acked, notsent, sent, retrans = fields
     return sent - retrans + notsent, acked
 
 
