@@ -29,6 +29,7 @@ from bench.e2e_training import (  # noqa: E402
     DATA_BATCHES, KEEP_FREED_MEMORY, StallWatchdog, add_worker_options, join_world, mlp_and_batches,
     set_slow_start_after_idle, wait_ranks,
 )
+from bench.reporting import child_env  # noqa: E402
 
 VARIANTS = {
     "compute only, 2 ranks": {"backend": None, "density": None},
@@ -127,7 +128,7 @@ def run_variant(path, name: str, rates: list[float], phase_s: float, port: int, 
                   "--duration-s", repr(phase_s * len(rates)), "--iterations", str(FLOOR_ITERATIONS),
                   "--master", path.addr_a, "--port", str(port), "--rank-out", out, "--start-file", start_file,
                   "--stall-s", repr(stall_s), *(["--margin", repr(margin)] if margin else [])]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
+        env = child_env(**KEEP_FREED_MEMORY)
         path.change(rate_mbit=rates[0])
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env),
                  path.popen_b([*common, "--rank", "1", "--address", path.addr_b], env=env)]

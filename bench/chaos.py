@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import wanlink
-from bench.reporting import Run, add_output_options, new_figure, print_table
+from bench.reporting import Run, add_output_options, child_env, new_figure, print_table
 from tests.support.faultproxy import FaultProxy
 from wanlink.io.runtime import new_event_loop
 from wanlink.proto.frames import HEADER_SIZE, data_header
@@ -355,7 +355,7 @@ SOAK_OPS = ("all_reduce", "broadcast", "all_gather", "reduce", "gather", "scatte
 def _rank_process(kind: str, rank: int, store: str, extra: list[str]) -> subprocess.Popen:
     argv = [sys.executable, str(Path(__file__).resolve()), "--rank-worker", kind, "--rank", str(rank),
             "--store", store, *extra]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = child_env()
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

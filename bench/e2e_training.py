@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.reporting import child_env  # noqa: E402
+
 _NO_HOOK = {"density": None, "staleness": 0, "sparse_optimizer": False, "fp16_wire": False}
 _FP16_WIRE = {**_NO_HOOK, "fp16_wire": True}  # torch's own fp16_compress_hook: halves the bytes of a dense step
 _SPARSE = {"backend": "wanlink", "density": 0.01, "iterations": 150, "fp16_wire": False}
@@ -245,8 +247,8 @@ def run_variant(path, name: str, iterations: int, port: int, keep_freed_memory: 
         common = [sys.executable, str(Path(__file__).resolve()), "--worker", "--variant", name, "--shape", shape,
                   "--iterations", str(iterations), "--master", path.addr_a, "--port", str(port), "--rank-out", out,
                   "--stall-s", repr(stall_s)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_CHUNK_ORDER": chunk_order,
-               "WANLINK_SECURE": "1" if secure else "0", **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
+        env = child_env(WANLINK_CHUNK_ORDER=chunk_order, WANLINK_SECURE="1" if secure else "0",
+                        **(KEEP_FREED_MEMORY if keep_freed_memory else {}))
         ranks = [path.popen_a([*common, "--rank", "0", "--address", path.addr_a], env=env)]
         if VARIANTS[name]["ranks"] == 2:
             ranks.append(path.popen_b([*common, "--rank", "1", "--address", path.addr_b], env=env))

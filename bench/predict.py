@@ -47,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.reporting import child_env  # noqa: E402
+
 DEPTH_IN, WIDTH, CLASSES, BATCH = 1024, 1024, 256, 64
 BUCKET_CAP_MB = 4
 SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
@@ -484,7 +486,7 @@ def phase_counts(samples: list[tuple], marks: list[tuple[str, float]]) -> dict[s
 def measure(path, config: dict, port: int) -> dict:
     """Run one configuration's ranks (half in each namespace) and collect their outputs."""
     ranks = config["ranks"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY}
+    env = child_env(**KEEP_FREED_MEMORY)
     emulator_cpu, started = path.cpu_seconds(), time.monotonic()
     with tempfile.TemporaryDirectory() as tmp, DropSampler(path) as drops:
         procs, outs = [], []
@@ -775,7 +777,7 @@ def allocation_bench(run, name: str) -> None:
         port = 29790
         procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--allocation-worker",
                                    "--rank", str(rank), "--port", str(port), "--out-file", result_file],
-                                  env={**os.environ, "PYTHONPATH": str(ROOT), **KEEP_FREED_MEMORY})
+                                  env=child_env(**KEEP_FREED_MEMORY))
                  for rank in range(2)]
         codes = [proc.wait(timeout=900) for proc in procs]
         if any(codes):

@@ -20,6 +20,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a bench's child processes: this one's, with the checkout first on
+    PYTHONPATH (ahead of what the user had there, not instead of it), and ``extra`` set."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
 SCRATCH = Path(tempfile.gettempdir()) / "wanlink-bench"
 
 # One colour per variant name across every panel and plot (matplotlib's tab10 order).

@@ -48,7 +48,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from bench.reporting import add_output_options
+from bench.reporting import add_output_options, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -237,8 +237,8 @@ def run_mode(sites, mode: str, args, gloo: bool, parts: list[str], extra_env: di
                   "--p2p-cases", *args.p2p_cases, *(["--trace"] if args.trace else [])]
         procs = []
         for rank, name in enumerate(HOSTS):
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "WANLINK_SITE": MODES.get(mode, MODES["site-aware"])(name),
-                   **({"WANLINK_STREAMS": str(args.streams)} if args.streams else {}), **(extra_env or {})}
+            env = child_env(WANLINK_SITE=MODES.get(mode, MODES["site-aware"])(name),
+                            **({"WANLINK_STREAMS": str(args.streams)} if args.streams else {}), **(extra_env or {}))
             procs.append(sites.popen(name, [*common, "--rank", str(rank), "--address", sites.host(name).addr],
                                      env=env, cwd=ROOT))
         codes = [proc.wait(timeout=3600) for proc in procs]

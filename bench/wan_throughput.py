@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.reporting import Run, add_output_options, print_table  # noqa: E402 - after the sys.path line
+from bench.reporting import Run, add_output_options, child_env, print_table  # noqa: E402 - after the sys.path line
 
 MiB = 1024 * 1024
 PORT = 5201
@@ -55,9 +55,8 @@ SECURE_CASES = [("wanlink secure N=4", 4), ("wanlink secure auto", None)]  # --s
 
 
 def _env(secure: bool = False) -> dict:
-    env = dict(os.environ)
+    env = child_env()
     env["WANLINK_SECURE"] = "1" if secure else "0"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["WANLINK_SECRET"] = SECRET
     env["GLOO_SOCKET_IFNAME"] = "wan0"  # the emulated path's device in both namespaces
     env.pop("WANLINK_STREAMS", None)

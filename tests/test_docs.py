@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.reporting import child_env
 from tests.support.docblocks import ROOT, SESSION_RUNNER, Block, all_blocks, blocks_of, commands_of
 
 BLOCKS = all_blocks()
@@ -29,7 +29,7 @@ ENTRY_POINTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["
 
 
 def _run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = child_env(PYTHONUNBUFFERED="1")
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=LIMIT_S, env=env, **kwargs)
 
 

@@ -2,11 +2,13 @@
 import argparse
 import ast
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from bench import reporting
+from bench.reporting import ROOT, child_env
 
 BENCH = Path(reporting.__file__).parent
 
@@ -44,3 +46,11 @@ def test_every_bench_takes_out_and_publish(script):
 def test_colours_are_fixed_per_name():
     first = reporting.colours(["wanlink", "gloo"])
     assert reporting.colours(["wanlink", "gloo", "extra"])["gloo"] == first["gloo"] != first["wanlink"]
+
+
+def test_child_env_puts_the_checkout_ahead_of_the_users_pythonpath(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = child_env(WANLINK_STREAMS="4")
+    assert env["PYTHONPATH"] == f"{ROOT}{os.pathsep}/elsewhere" and env["WANLINK_STREAMS"] == "4"
+    monkeypatch.delenv("PYTHONPATH")
+    assert child_env()["PYTHONPATH"] == str(ROOT)

@@ -1,7 +1,6 @@
 """Striped links over loopback: sizes, stream counts, ordering, faults. Each test runs on asyncio and uvloop."""
 import asyncio
 import contextlib
-import os
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from wanlink.proto.frames import data_header
 from wanlink.proto.handshake import CHALLENGE, HELLO
 from wanlink.proto.limits import Limits
 from wanlink.proto.reassembly import PROBE_DISCARD_TAG
+from bench.reporting import child_env
 from tests.support.links import SECRET, open_pair, proxied_pair
 
 pytestmark = pytest.mark.asyncio
@@ -254,8 +254,7 @@ async def test_killed_peer_process_gives_an_error_not_a_hang():
             await asyncio.sleep(60)
         asyncio.run(main())
     """)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    child = subprocess.Popen([sys.executable, "-c", script], env=env)
+    child = subprocess.Popen([sys.executable, "-c", script], env=child_env())
     try:
         accepted = await asyncio.wait_for(links.get(), 30)
         await accepted.recv_into(bytearray(5), tag=0)
