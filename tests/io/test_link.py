@@ -761,6 +761,35 @@ async def test_a_probe_burst_sends_one_part_on_each_stream(pair):
     assert [stream.chunks_sent - sent for stream, sent in zip(pair.client._streams, before)] == [1] * 4
 
 
+async def test_a_probe_sent_on_a_dead_link_is_reported_by_the_links_next_operation():
+    """A probe burst's failure goes to no caller: nothing is logged as an unretrieved task error,
+    and the link's next operation raises PeerLost as it would without the probe."""
+    import gc
+
+    from wanlink.c10d.auto_density import _send_probe
+
+    loop = asyncio.get_running_loop()
+    unhandled = []
+    loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+    async with proxied_pair(2) as (proxy, client, accepted):
+        def probe_tasks():
+            return {task for task in asyncio.all_tasks() if task.get_coro().__qualname__ == "Link.send"}
+
+        _send_probe(client, [memoryview(bytes(100_000))] * 2)
+        probes = probe_tasks()
+        assert len(probes) == 1  # the first part's task: not yet begun when the streams are cut
+        proxy.cut(0)
+        proxy.cut(1)
+        await asyncio.sleep(0)
+        probes |= probe_tasks()  # the second part's, unless the link had already failed
+        await asyncio.wait_for(asyncio.wait(probes), 10)  # the test leaves their errors unread
+        with pytest.raises(PeerLost):
+            await client.send(b"x", tag=1)
+    del probes  # collected: an error nobody read would be logged now
+    gc.collect()
+    assert unhandled == []
+
+
 async def test_eager_credit_comes_back_in_batches_and_a_short_sender_still_completes():
     budget = 2 * MiB  # batches of budget / 16 = 128 KiB
     p = await open_pair(1, server_options={"limits": Limits(max_unexpected_bytes=budget)})
