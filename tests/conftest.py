@@ -9,6 +9,7 @@ tests that need it are left out: the wire, scheduling, transport, probing and ip
 import asyncio
 import gc
 import importlib.util
+import os
 
 import pytest
 
@@ -20,6 +21,10 @@ except ImportError:  # pragma: no cover - uvloop is a Linux dependency
 NEEDS_TORCH = ["c10d", "kernels", "test_docs.py", "test_examples.py", "test_packaging.py",
                "bench/test_chaos.py", "bench/test_fidelity_schedule.py"]
 collect_ignore = NEEDS_TORCH if importlib.util.find_spec("torch") is None else []
+
+# Child processes (ranks, servers) print every thread's Python stack if they die of a signal
+# (SIGABRT, SIGSEGV), so that a crash seen once under CI's load says where it happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 _unhandled_loop_errors: list[dict] = []
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import logging
+import sys
 import threading
+import traceback
 
 from wanlink.errors import DeadlineExceeded
 
@@ -100,7 +103,10 @@ class Runtime:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
-            if not self._thread.is_alive():
+            if self._thread.is_alive():
+                logging.getLogger(__name__).warning(
+                    "wanlink: the event-loop thread did not stop within %g s of the runtime's close", timeout)
+            else:
                 self.loop.close()
 
 
@@ -132,7 +138,11 @@ def _shutdown_at_exit() -> None:
     for thread in threading.enumerate():
         if not thread.daemon and thread is not threading.current_thread():
             thread.join()
-    shutdown_runtime()
+    try:
+        shutdown_runtime()
+    except Exception:  # noqa: BLE001 - an error here must not skip the exit hooks after this one;
+        print("wanlink: stopping the runtime at exit failed:", file=sys.stderr)  # stderr: no logging
+        traceback.print_exc()  # is configured this late, and wanlink's logger has only a NullHandler
 
 
 # A threading exit hook, not a plain atexit handler: threading's hooks run when the main thread ends,
