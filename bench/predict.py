@@ -53,7 +53,7 @@ DEPTH_IN, WIDTH, CLASSES, BATCH = 1024, 1024, 256, 64
 BUCKET_CAP_MB = 4
 SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
 PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
-BUSY_WARMUP = 2  # the profile beside the training's exchanges (each step waits for them): 12 to 16 timed steps
+BUSY_WARMUP = SKIP_FIRST  # the profile beside the training's exchanges (each step waits for them): as training
 LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
 LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
@@ -69,9 +69,11 @@ def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8
 
 def _busy_iterations(config: dict) -> int:
     """Timed steps of the busy profile: each lasts as long as its exchanges (up to 1.7 s dense at
-    100 Mbit/s). Dense exchanges on paths that drop segments take 0.6 to 2x their mean from one step
-    to the next (a loss and its recovery), so the calibration times as many of them as training
-    does (a mean over 4 steps moved 1.18 to 1.65 s between runs where training's moved 1 %)."""
+    100 Mbit/s), after as many warm-up steps as training skips. Dense exchanges on paths that drop
+    segments take 0.6 to 2x their mean from one step to the next (a loss and its recovery), and the
+    first after the lone all-reduces up to 3x (traced: docs/plan.md), so the calibration times about
+    as many of them as training does (a median of 4 moved 1.18 to 1.65 s between runs at 80 ms /
+    100 Mbit/s where training's mean moved 1 %)."""
     if config["density"] is not None:
         return 16
     return 12
@@ -142,8 +144,6 @@ def worker(args) -> None:
     model = make_model()
     batch = make_batch(args.rank)
     probe_s = lone_allreduce_seconds(dist, torch, marks)
-    dist.barrier()
-    share = core_share()
     alone = [dist.new_group([rank]) for rank in range(config["ranks"])][args.rank]  # every rank makes every group
     options = {"bucket_cap_mb": config["bucket_cap_mb"], "density": config["density"], "name": "bench.predict MLP"}
 
@@ -210,7 +210,6 @@ def worker(args) -> None:
                         for phase, pair in (("before", receive[:2]), ("training", receive[1:]))}
     Path(args.out_file).write_text(json.dumps({"rank": args.rank, "profile": profile.to_json(),
                                              "busy_profile": busy.to_json(), "transport_cpu_s": transport_cpu_s,
-                                             "core_share": share,
                                              "seconds": seconds,
                                              "forward": forward, "backward": backward, "cpu_s": cpu_s,
                                              "lone_allreduce_s": probe_s,
@@ -276,19 +275,6 @@ def training_exchanges(dist, torch, profile, config: dict):
 
     start.launch, start.seconds, start.offsets = launch, [], []
     return start
-
-
-CORE_SHARE_S = 0.3  # how long every rank spins at once to measure the share of a core it gets
-
-
-def core_share(seconds: float = CORE_SHARE_S) -> float:
-    """CPU time over wall time of this thread spinning for ``seconds`` while every rank does the
-    same (called right after a barrier, the link idle): the share of a core a runnable rank gets
-    on this host now, beside the other ranks and whatever else runs on it."""
-    cpu, begin = time.thread_time(), time.perf_counter()
-    while time.perf_counter() - begin < seconds:
-        pass
-    return (time.thread_time() - cpu) / (time.perf_counter() - begin)
 
 
 PROBE_SIZES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)  # a direct exchange (as a sparse bucket's), two rings
@@ -361,7 +347,7 @@ def _busy_exchange(row: dict) -> float:
 
 
 EFFICIENCIES = [e / 100 for e in range(1, 101)]  # of the nominal rate; a cluster allows (0, 1]
-BUSY_WEIGHT = 10  # the training's exchanges timed beside compute count as 10x all lone all-reduces together
+BUSY_WEIGHT = 1  # the training's exchanges timed beside compute count as much as all lone all-reduces together
 # (a floor of 0.20 pinned the window-limited 80 ms / 2000 Mbit/s paths' fits to it: they fit 0.09 to 0.17)
 
 
@@ -372,7 +358,7 @@ def calibrate_link(row: dict, choice, profile=None) -> tuple[float, float]:
     profile's compute, as training's conditions (the ranks' CPU busy) make them. For each efficiency
     on a grid, the overhead (>= 0) that best fits (the model's time is linear in it), and the pair
     with the least squared relative error over the probes. Where the row has them, the exchanges
-    beside compute weigh BUSY_WEIGHT times as much as all lone all-reduces together: they are the
+    beside compute weigh as much as all lone all-reduces together (BUSY_WEIGHT): they are the
     calibration's sample of what training sends, back to back; a lone all-reduce starts from a
     barrier and bursts every stream's window at once, which on a path whose queue overflows
     samples another loss regime (4 MiB at 80 ms / 100 Mbit/s: a rank's median 0.50 to 1.24 s across
@@ -516,7 +502,6 @@ def measure(path, config: dict, port: int) -> dict:
            "seconds": [r["seconds"] for r in results], "profiles": [r["profile"] for r in results],
             "busy_profiles": [r["busy_profile"] for r in results],
             "transport_cpu_s": [r["transport_cpu_s"] for r in results],
-            "core_share": [r["core_share"] for r in results],
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
             "train_backward_s": [statistics.median(r["backward"][SKIP_FIRST:]) for r in results],
             "rank_cpu_s_per_iteration": [r["cpu_s"] / len(r["seconds"]) for r in results],
@@ -560,18 +545,13 @@ def lan_rate(source: Path = LOOPBACK_UNIX) -> str:
     raise ValueError(f"{source}: no wanlink row over Unix sockets with 1 stream")
 
 
-def site_cores(row: dict) -> list[float] | None:
-    """Cores each namespace's ranks have (a list, one per site): the two sites share the host's
-    cores, less what the emulator used during the configuration, and (rows measured since
-    2026-11-26 22:30) at most what the site's ranks got of the cores spinning all at once
-    (``core_share``: what other programs on the host leave them). None for rows whose profiles lack
-    their CPU time (measured since 2026-11-26 14:30)."""
+def site_cores(row: dict) -> float | None:
+    """Cores each namespace's ranks have: the two sites share the host's cores, less what the
+    emulator used during the configuration (None for rows whose profiles lack their CPU time,
+    measured since 2026-11-26 14:30)."""
     if "host_cores" not in row or not all(doc.get("cpu_s") for doc in row["profiles"]):
         return None  # without the profiles' CPU time their wall time (shared cores) would count twice
-    half = row["ranks"] // 2
-    shares = row.get("core_share") or [1.0] * row["ranks"]
-    return [max(min(sum(part), row["host_cores"] / 2) - row["emulator_cores"] / 2, 0.05)
-            for part in (shares[:half], shares[half:])]
+    return max(row["host_cores"] - row["emulator_cores"], 0.1) / 2
 
 
 def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
@@ -581,8 +561,8 @@ def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float 
     sites = [{"name": "a", "ranks": half}, {"name": "b", "ranks": row["ranks"] - half}]
     cores = site_cores(row)
     if cores:
-        for site, count in zip(sites, cores):
-            site["cores"] = count
+        for site in sites:
+            site["cores"] = cores
     return cluster_from_dict({
         "defaults": {"streams": row["streams"], "window": "1536 KiB", "lan_rate": lan_rate(), "efficiency": efficiency,
                      "send_overhead": f"{overhead_ms} ms"},

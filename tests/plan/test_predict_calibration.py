@@ -50,19 +50,22 @@ def test_fit_reads_the_exchanges_timed_beside_compute():
     assert calibrate_link(slower, Choice())[1] == pytest.approx(7.0, abs=0.05)  # without the profile: lone only
 
 
-def test_exchanges_beside_compute_outweigh_lone_all_reduces_that_disagree():
+def test_exchanges_beside_compute_weigh_as_much_as_all_lone_all_reduces():
     # lone all-reduces from a link with 7 ms of overhead, the training's exchanges from one with 60 ms
-    # (a lossy path: the lone ones burst into another loss regime): the fit follows the exchanges
+    # (a lossy path: the lone ones burst into another loss regime): the fitted link's exchanges lie
+    # nearer the measured ones than the lone all-reduces' link's (one probe among four: nearer those)
     from dataclasses import replace
 
     prof = Profile("p", 8, 0.01, 0.02, 0.003, (Bucket(1 << 20, 0.005, (1 << 18,)), Bucket(4 << 20, 0.02, (1 << 20,))))
     exchanges = replace(prof, forward_s=0.0, backward_s=0.0, step_s=0.0,
                         buckets=tuple(replace(b, ready_s=0.0) for b in prof.buckets))
-    busy = simulate(_cluster(ROW, 500, 0.6, 60.0), exchanges, Choice(), iterations=2).iteration_s
+
+    def seconds(cluster):
+        return simulate(cluster, exchanges, Choice(), iterations=2).iteration_s
+
+    busy, lone_link = seconds(_cluster(ROW, 500, 0.6, 60.0)), seconds(_cluster(ROW, 500, 0.6, 7.0))
     row = {**ROW, "lone_allreduce_s": _lone_times(0.6, 7.0), "busy_exchange_s": busy}
-    fitted = simulate(_cluster(ROW, 500, *calibrate_link(row, Choice(), prof)), exchanges, Choice(),
-                      iterations=2).iteration_s
-    assert fitted == pytest.approx(busy, rel=0.03)
+    assert (lone_link + busy) / 2 < seconds(_cluster(ROW, 500, *calibrate_link(row, Choice(), prof))) < busy
 
 
 def test_the_exchanges_count_as_their_mean_over_steps():
@@ -72,12 +75,3 @@ def test_the_exchanges_count_as_their_mean_over_steps():
     assert _busy_exchange(row) == pytest.approx((1.4 + 1.0) / 2)
     assert _busy_exchange({"per_rank_busy_exchange_s": [1.0, 1.2]}) == pytest.approx(1.1)  # rows before: medians
 
-
-def test_a_sites_cores_are_what_its_ranks_got_spinning_less_the_emulator():
-    from bench.predict import site_cores
-
-    row = {"ranks": 4, "host_cores": 2, "emulator_cores": 0.1, "profiles": [{"cpu_s": 0.02}] * 4,
-           "core_share": [0.45, 0.47, 0.6, 0.6]}
-    assert site_cores(row) == pytest.approx([0.92 - 0.05, 1.0 - 0.05])
-    del row["core_share"]  # rows measured before: the host's half
-    assert site_cores(row) == pytest.approx([0.95, 0.95])
