@@ -53,7 +53,7 @@ DEPTH_IN, WIDTH, CLASSES, BATCH = 1024, 1024, 256, 64
 BUCKET_CAP_MB = 4
 SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
 PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
-BUSY_WARMUP = 2  # the profile beside the training's exchanges (each step waits for them): 6 to 16 steps
+BUSY_WARMUP = SKIP_FIRST  # the profile beside the training's exchanges (each step waits for them): as training
 LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
 LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
@@ -68,10 +68,15 @@ def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8
 
 
 def _busy_iterations(config: dict) -> int:
-    """Steps of the busy profile: each lasts as long as its exchanges (up to 1.2 s dense at 100 Mbit/s)."""
+    """Timed steps of the busy profile: each lasts as long as its exchanges (up to 1.7 s dense at
+    100 Mbit/s), after as many warm-up steps as training skips. Dense exchanges on paths that drop
+    segments take 0.6 to 2x their mean from one step to the next (a loss and its recovery), and the
+    first after the lone all-reduces up to 3x (traced: docs/plan.md), so the calibration times about
+    as many of them as training does (a median of 4 moved 1.18 to 1.65 s between runs at 80 ms /
+    100 Mbit/s where training's mean moved 1 %)."""
     if config["density"] is not None:
         return 16
-    return 6 if config["rate_mbit"] <= 500 else 12
+    return 12
 
 
 def _iterations(density, rate_mbit) -> int:
@@ -125,7 +130,6 @@ def worker(args) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from wanlink.c10d import sparse_hook
-    from wanlink.c10d.auto_density import group_links
     from wanlink.plan.profiler import default_loss, profile_model
 
     config = json.loads(args.config)
@@ -181,15 +185,12 @@ def worker(args) -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.0 if state is not None else 0.9)
     dist.barrier()
     marks.append(("DDP", time.time()))  # its construction broadcasts the model's state from rank 0
-    seconds, forward, backward, streams = [], [], [], []
-    links = group_links(None)
+    seconds, forward, backward = [], [], []
     receive.append(tcp_counters("self", RECEIVE_COUNTERS))
     cpu_begin = time.process_time()
     for iteration in range(config["iterations"]):
         if iteration == SKIP_FIRST:
             marks.append(("first iterations", time.time()))
-        if iteration < STREAM_TRACE_ITERATIONS:
-            streams.append(stream_states(links))
         begin = time.perf_counter()
         optimizer.zero_grad()
         loss = default_loss(ddp(batch[0]), batch)
@@ -213,8 +214,8 @@ def worker(args) -> None:
                                              "forward": forward, "backward": backward, "cpu_s": cpu_s,
                                              "lone_allreduce_s": probe_s,
                                              "busy_exchange_s": statistics.median(exchanges.seconds[BUSY_WARMUP:]),
+                                             "busy_exchange_steps_s": exchanges.seconds[BUSY_WARMUP:],
                                              "busy_launch_offsets_s": offsets, "marks": marks,
-                                             "stream_states": streams,
                                              "receive_counters": receive_counters}))
     dist.destroy_process_group()
 
@@ -335,13 +336,18 @@ def _launch_offsets(row: dict, profile) -> list[float]:
 
 
 def _busy_exchange(row: dict) -> float:
-    """Seconds of the training's exchanges beside the busy profile (mean over ranks where kept)."""
+    """Seconds of the training's exchanges beside the busy profile: the mean over the ranks of each
+    rank's mean over its timed steps (as training's iteration time is a mean period; rows measured
+    before 2026-11-26 22:40 kept each rank's median, before 2026-11-26 14:00 the slowest rank's)."""
+    if "per_rank_busy_exchange_steps_s" in row:
+        return _rank_mean([statistics.fmean(steps) for steps in row["per_rank_busy_exchange_steps_s"]])
     if "per_rank_busy_exchange_s" in row:
         return _rank_mean(row["per_rank_busy_exchange_s"])
     return row["busy_exchange_s"]
 
 
 EFFICIENCIES = [e / 100 for e in range(1, 101)]  # of the nominal rate; a cluster allows (0, 1]
+BUSY_WEIGHT = 1  # the training's exchanges timed beside compute count as much as all lone all-reduces together
 # (a floor of 0.20 pinned the window-limited 80 ms / 2000 Mbit/s paths' fits to it: they fit 0.09 to 0.17)
 
 
@@ -351,33 +357,41 @@ def calibrate_link(row: dict, choice, profile=None) -> tuple[float, float]:
     since 2026-11-26 13:30, given ``profile``) the training's own exchanges launched beside the busy
     profile's compute, as training's conditions (the ranks' CPU busy) make them. For each efficiency
     on a grid, the overhead (>= 0) that best fits (the model's time is linear in it), and the pair
-    with the least squared relative error over the probes."""
+    with the least squared relative error over the probes. Where the row has them, the exchanges
+    beside compute weigh as much as all lone all-reduces together (BUSY_WEIGHT): they are the
+    calibration's sample of what training sends, back to back; a lone all-reduce starts from a
+    barrier and bursts every stream's window at once, which on a path whose queue overflows
+    samples another loss regime (4 MiB at 80 ms / 100 Mbit/s: a rank's median 0.50 to 1.24 s across
+    runs). The lone ones then pick among the links that fit the exchanges about as well (the rate
+    against the per-step overhead)."""
     from dataclasses import replace
 
     from wanlink.plan import Bucket, Profile, simulate
 
     dense = replace(choice, density=None, staleness=0, order="fcfs")
-    probes = [(Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(size, 0.0, (size // 4,)),)), dense, seconds)
-              for size, seconds in _lone_probes(row).items()]
+    lone = _lone_probes(row)
+    probes = [(Profile("probe", 1, 0.0, 0.0, 0.0, (Bucket(size, 0.0, (size // 4,)),)), dense, seconds, 1.0)
+              for size, seconds in lone.items()]
     if profile is not None and "busy_exchange_s" in row:  # the step's exchanges, no compute
         exchanges = replace(profile, forward_s=0.0, backward_s=0.0, step_s=0.0, comm_slowdown=1.0,
                             buckets=tuple(replace(b, ready_s=offset, sparsify_s=0.0)
                                           for b, offset in zip(profile.buckets, _launch_offsets(row, profile))))
-        probes.append((exchanges, replace(choice, staleness=0), _busy_exchange(row)))
-    measured = [seconds for _p, _c, seconds in probes]
+        probes.append((exchanges, replace(choice, staleness=0), _busy_exchange(row), BUSY_WEIGHT * len(lone)))
+    measured = [seconds for _p, _c, seconds, _w in probes]
+    weights = [weight for _p, _c, _s, weight in probes]
     best = None
     for efficiency in EFFICIENCIES:
         base, slope = [], []
-        for probe, probe_choice, _seconds in probes:
+        for probe, probe_choice, _seconds, _weight in probes:
             at = [simulate(_cluster(row, row["rate_mbit"], efficiency, ms), probe, probe_choice,
                            iterations=2).iteration_s for ms in (0.0, 1.0)]
             base.append(at[0])
             slope.append(at[1] - at[0])
-        # minimise sum(((base + slope x) - m) / m)^2 over x >= 0
-        num = sum(s * (m - b) / m ** 2 for b, s, m in zip(base, slope, measured))
-        den = sum(s * s / m ** 2 for s, m in zip(slope, measured))
+        # minimise sum(w ((base + slope x) - m) / m)^2 over x >= 0
+        num = sum(w * s * (m - b) / m ** 2 for b, s, m, w in zip(base, slope, measured, weights))
+        den = sum(w * s * s / m ** 2 for s, m, w in zip(slope, measured, weights))
         overhead = max(0.0, num / den) if den > 0 else 0.0
-        error = sum(((b + s * overhead) - m) ** 2 / m ** 2 for b, s, m in zip(base, slope, measured))
+        error = sum(w * ((b + s * overhead) - m) ** 2 / m ** 2 for b, s, m, w in zip(base, slope, measured, weights))
         if best is None or error < best[0]:
             best = (error, efficiency, overhead)
     return best[1], best[2]
@@ -405,26 +419,6 @@ def tcp_counters(pid: int | str, counters: tuple[str, ...] = TCP_COUNTERS) -> tu
     """``counters`` of the network namespace process ``pid`` runs in (/proc/PID/net/netstat)."""
     names, values = (line.split()[1:] for line in Path(f"/proc/{pid}/net/netstat").read_text().splitlines()[:2])
     return tuple(int(values[names.index(name)]) for name in counters)
-
-
-STREAM_TRACE_ITERATIONS = 24  # training iterations whose start records every stream's state (stream_states)
-STREAM_FIELDS = ("stream", "chunks_sent", "chunks_received", "snd_cwnd", "snd_ssthresh", "snd_wnd", "unacked",
-                 "notsent_bytes", "total_retrans")
-
-
-def stream_states(links: list) -> list[list[int]]:
-    """STREAM_FIELDS of every stream of ``links`` (wanlink's counters and the kernel's TCP_INFO):
-    which stream carried which chunk, and what window it had (traced: docs/plan.md)."""
-    from wanlink.io.sockets import tcp_info
-
-    states = []
-    for link in links:
-        for stream in link._streams:
-            info = tcp_info(stream.sock) if stream.alive else None
-            if info is not None:
-                states.append([stream.index, stream.chunks_sent, stream.chunks_received,
-                               *(getattr(info, name) or 0 for name in STREAM_FIELDS[3:])])
-    return states
 
 
 class DropSampler:
@@ -518,10 +512,9 @@ def measure(path, config: dict, port: int) -> dict:
             "busy_exchange_s": max(r["busy_exchange_s"] for r in results),
             "per_rank_lone_allreduce_s": [r["lone_allreduce_s"] for r in results],
             "per_rank_busy_exchange_s": [r["busy_exchange_s"] for r in results],
+            "per_rank_busy_exchange_steps_s": [r["busy_exchange_steps_s"] for r in results],
             "per_rank_busy_launch_offsets_s": [r["busy_launch_offsets_s"] for r in results],
-            "marks": results[0]["marks"], "loss_samples": drops.samples, "stream_fields": STREAM_FIELDS,
-            "stream_states": [r["stream_states"] for r in results],
-            "receive_counters": [r["receive_counters"] for r in results]}
+            "marks": results[0]["marks"], "receive_counters": [r["receive_counters"] for r in results]}
     counts = phase_counts(drops.samples, results[0]["marks"])
     row.update(drops={phase: c[:2] for phase, c in counts.items()},  # segments, per direction (ab, ba)
                timeouts={phase: c[2::2] for phase, c in counts.items()},  # TCP's, per namespace (a, b)

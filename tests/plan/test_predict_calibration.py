@@ -48,3 +48,30 @@ def test_fit_reads_the_exchanges_timed_beside_compute():
     fitted = _cluster(ROW, 500, *calibrate_link(slower, Choice(), prof))
     assert busy < simulate(fitted, exchanges, Choice(), iterations=2).iteration_s < slower["busy_exchange_s"]
     assert calibrate_link(slower, Choice())[1] == pytest.approx(7.0, abs=0.05)  # without the profile: lone only
+
+
+def test_exchanges_beside_compute_weigh_as_much_as_all_lone_all_reduces():
+    # lone all-reduces from a link with 7 ms of overhead, the training's exchanges from one with 60 ms
+    # (a lossy path: the lone ones burst into another loss regime): the fitted link's exchanges lie
+    # nearer the measured ones than the lone all-reduces' link's (one probe among four: nearer those)
+    from dataclasses import replace
+
+    prof = Profile("p", 8, 0.01, 0.02, 0.003, (Bucket(1 << 20, 0.005, (1 << 18,)), Bucket(4 << 20, 0.02, (1 << 20,))))
+    exchanges = replace(prof, forward_s=0.0, backward_s=0.0, step_s=0.0,
+                        buckets=tuple(replace(b, ready_s=0.0) for b in prof.buckets))
+
+    def seconds(cluster):
+        return simulate(cluster, exchanges, Choice(), iterations=2).iteration_s
+
+    busy, lone_link = seconds(_cluster(ROW, 500, 0.6, 60.0)), seconds(_cluster(ROW, 500, 0.6, 7.0))
+    row = {**ROW, "lone_allreduce_s": _lone_times(0.6, 7.0), "busy_exchange_s": busy}
+    assert (lone_link + busy) / 2 < seconds(_cluster(ROW, 500, *calibrate_link(row, Choice(), prof))) < busy
+
+
+def test_the_exchanges_count_as_their_mean_over_steps():
+    from bench.predict import _busy_exchange
+
+    row = {"per_rank_busy_exchange_s": [1.0, 1.0], "per_rank_busy_exchange_steps_s": [[1.0, 1.0, 2.2], [0.8, 1.0, 1.2]]}
+    assert _busy_exchange(row) == pytest.approx((1.4 + 1.0) / 2)
+    assert _busy_exchange({"per_rank_busy_exchange_s": [1.0, 1.2]}) == pytest.approx(1.1)  # rows before: medians
+
