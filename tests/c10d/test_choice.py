@@ -51,3 +51,25 @@ def test_all_reduce_halves_where_the_ring_would_not_pipeline(size, numel, rounds
     assert all(torch.equal(result, expected) for result in run_members(size, member, PIECE_BYTES))
     pieces = -(-numel * 4 // size // PIECE_BYTES)
     assert set(messages.values()) == {rounds if pieces == 1 else rounds * pieces}
+
+
+@pytest.mark.parametrize("numel,halves", [(32, True), (128, False)])
+def test_two_members_halve_where_the_ring_would_not_pipeline(monkeypatch, numel, halves):
+    """Two members: one exchange each way from the collective's task (halving) where the ring's two
+    steps would be one piece each (2 x 16 floats); the pipelined ring where segments have pieces."""
+    from wanlink.collectives import halving
+    choice, halved, real = AlgorithmChoice(direct_max_bytes=0), [], halving.allreduce
+
+    async def spy(comm, tensor, reducer):
+        halved.append(comm.rank)
+        await real(comm, tensor, reducer)
+    monkeypatch.setattr(halving, "allreduce", spy)
+
+    async def member(comm):
+        tensor = data(comm.rank, numel)
+        await choice.allreduce(comm, tensor, reducer_for("sum", tensor.dtype, "t"), "sum")
+        return tensor
+
+    expected = reference("sum", [data(rank, numel) for rank in range(2)])
+    assert all(torch.equal(result, expected) for result in run_members(2, member, PIECE_BYTES))
+    assert sorted(halved) == ([0, 1] if halves else [])

@@ -21,6 +21,7 @@ class Comm(Protocol):
     Messages between two members are matched by ``piece``: the k-th ``send(peer, _, piece)`` is
     received by the k-th ``recv(_, _, piece)`` posted for that sender. Tensors are flat, contiguous
     CPU tensors; empty tensors carry no message (both sides skip them, as their sizes agree).
+    A Comm may also have ``exchange(sends, receives)``, several of both at once (see ``exchange``).
     """
 
     rank: int
@@ -97,3 +98,14 @@ async def gather_all(awaitables: Sequence[Awaitable]) -> None:
             raise
     caller.uncancel()  # the cancel was ours, to stop the one running inline: report the failure
     raise failed.exception()
+
+
+async def exchange(comm: Comm, sends: Sequence[tuple], receives: Sequence[tuple]) -> None:
+    """Every (peer, tensor, piece) of ``sends`` sent and of ``receives`` received, all at once, with
+    ``gather_all``'s outcome (the first failure ends it). Through the Comm's own ``exchange`` where it
+    has one (``LinkComm``: no task per message), else one ``send`` / ``recv`` each under ``gather_all``."""
+    own = getattr(comm, "exchange", None)
+    if own is not None:
+        await own(sends, receives)
+    else:
+        await gather_all([comm.send(*item) for item in sends] + [comm.recv(*item) for item in receives])

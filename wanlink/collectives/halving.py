@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, gather_all, piece_bounds
+from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, exchange, piece_bounds
 
 GATHER = MAX_PIECES  # all-gather steps use pieces GATHER + s, reduce-scatter steps s
 
@@ -36,13 +36,12 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
         (keep_lo, keep_hi), (give_lo, give_hi) = ((lo, mid), (mid, hi)) if me < partner else ((mid, hi), (lo, mid))
         keep = blocks(keep_lo, keep_hi)
         incoming = comm.empty(keep.numel(), tensor.dtype)
-        await gather_all([comm.send(partner, blocks(give_lo, give_hi), step), comm.recv(partner, incoming, step)])
+        await exchange(comm, [(partner, blocks(give_lo, give_hi), step)], [(partner, incoming, step)])
         await comm.compute(reducer, keep, incoming)
         lo, hi, distance, step = keep_lo, keep_hi, distance // 2, step + 1
     distance, step = 1, 0
     while distance < n:
         partner, width = me ^ distance, hi - lo
         other = (lo - width, lo) if me & distance else (hi, hi + width)
-        await gather_all([comm.send(partner, blocks(lo, hi), GATHER + step),
-                          comm.recv(partner, blocks(*other), GATHER + step)])
+        await exchange(comm, [(partner, blocks(lo, hi), GATHER + step)], [(partner, blocks(*other), GATHER + step)])
         lo, hi, distance, step = min(lo, other[0]), max(hi, other[1]), distance * 2, step + 1
