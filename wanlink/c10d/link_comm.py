@@ -69,17 +69,15 @@ async def _all_done(futures: Sequence[asyncio.Future], several_links: bool) -> N
     try:
         for future in futures:
             await future
+        return
     except asyncio.CancelledError:
+        if not failed:
+            raise
+    finally:
         culprit = failed[0] if failed else None
         failed.append(None)
-        if culprit is None:
-            raise
-        task.uncancel()  # the cancel was ours, to stop the wait: report the failure
-        raise culprit.exception()
-    except BaseException:
-        failed.append(None)
-        raise
-    failed.append(None)
+    task.uncancel()  # the cancel was ours, to stop the wait: report the failure
+    raise culprit.exception()
 
 
 class LinkComm(Comm):
