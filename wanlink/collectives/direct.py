@@ -29,7 +29,7 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
     """In place: every member ends with the reduction of all members' ``tensor``."""
     n, me = comm.size, comm.rank
     peers = [peer for peer in range(n) if peer != me]
-    incoming = {peer: torch.empty_like(tensor) for peer in peers}
+    incoming = {peer: comm.empty(tensor.numel(), tensor.dtype) for peer in peers}
     await exchange(comm, [(peer, tensor, 0) for peer in peers], [(peer, incoming[peer], 0) for peer in peers])
     await _reduce_in_place(comm, reducer, tensor, incoming)
 
@@ -51,7 +51,7 @@ async def reduce_scatter(comm: Comm, blocks: Sequence[torch.Tensor], output: tor
     """``output`` on member r = reduction over members of their ``blocks[r]``."""
     n, me = comm.size, comm.rank
     peers = [peer for peer in range(n) if peer != me]
-    incoming = {peer: torch.empty_like(output) for peer in peers}
+    incoming = {peer: comm.empty(output.numel(), output.dtype) for peer in peers}
     await exchange(comm, [(peer, blocks[peer], 0) for peer in peers], [(peer, incoming[peer], 0) for peer in peers])
     contributions = [blocks[me] if k == me else incoming[k] for k in range(n)]
     await _fold_in_rank_order(comm, reducer, contributions, output)
@@ -64,7 +64,7 @@ async def reduce(comm: Comm, tensor: torch.Tensor, root: int, reducer: Reducer) 
         await comm.send(root, tensor)
         return
     peers = [peer for peer in range(n) if peer != me]
-    incoming = {peer: torch.empty_like(tensor) for peer in peers}
+    incoming = {peer: comm.empty(tensor.numel(), tensor.dtype) for peer in peers}
     await exchange(comm, [], [(peer, incoming[peer], 0) for peer in peers])
     await _reduce_in_place(comm, reducer, tensor, incoming)
 
