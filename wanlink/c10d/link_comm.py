@@ -48,6 +48,13 @@ class ScratchPool:
 _scratch_pool = ScratchPool()
 
 
+def _release(held: list) -> None:
+    """Release the frames ``exchange`` held on each link (a receive's grant) at the end of this loop
+    iteration, after the chunks it queued: a stream writes them together, in one sendmsg."""
+    while held:
+        held.pop().release_frames(after_wakeups=True)
+
+
 async def _all_done(futures: Sequence[asyncio.Future], several_links: bool) -> None:
     """Await every future; the first that fails ends the wait at once with its error. Futures of
     one link fail together (the link failed), so awaiting them in order finds a failure as soon as
@@ -169,6 +176,7 @@ class LinkComm(Comm):
         self._exchanges.append(messages)  # (waiting_for names their peers until their futures are done)
         posted: list[tuple] = []  # (link, entry) of each receive posted
         futures: list[asyncio.Future] = []
+        held: list = []  # links whose frames wait for the chunks queued here
         try:
             index = 0
             for sending, items in ((False, receives), (True, sends)):
@@ -176,6 +184,9 @@ class LinkComm(Comm):
                     if not tensor.numel():
                         continue
                     link = self._mesh.cached(self._mesh_ranks[peer]) or await self._link(peer)
+                    if link not in held:
+                        link.hold_frames()
+                        held.append(link)
                     tag = self._base_tag | piece
                     if sending:
                         future = link.start_send(as_buffer(tensor), tag=tag, deadline=self._deadline, until="written")
@@ -185,8 +196,10 @@ class LinkComm(Comm):
                     messages[index][1] = future
                     futures.append(future)
                     index += 1
+            _release(held)
             await _all_done(futures, len({peer for peer, _future in messages}) > 1)
         except BaseException:
+            _release(held)
             for link, entry in posted:
                 link.cancel_recv(entry)
             for future in futures:  # (failures after the first: not logged as never retrieved)
