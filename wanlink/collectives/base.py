@@ -61,6 +61,33 @@ def split(tensor: torch.Tensor, pieces: int) -> list[torch.Tensor]:
     return [tensor[start:stop] for start, stop in piece_bounds(tensor.numel(), pieces)]
 
 
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Tasks:
+    """Tasks an algorithm spawned (a ring's piece, receives posted ahead); all awaited at the end,
+    all cancelled on failure."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task] = []
+
+    def spawn(self, awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(awaitable)
+        self.tasks.append(task)
+        return task
+
+    async def run(self, body: Callable[["Tasks"], object]) -> None:
+        try:
+            await body(self)
+            await asyncio.gather(*self.tasks)
+        except BaseException:
+            await _cancel(self.tasks)
+            raise
+
+
 async def gather_all(awaitables: Sequence[Awaitable]) -> None:
     """Await all; on the first failure cancel the rest at once and re-raise it (no orphaned tasks).
 
