@@ -53,28 +53,6 @@ def test_all_reduce_halves_where_the_ring_would_not_pipeline(size, numel, rounds
     assert set(messages.values()) == {rounds if pieces == 1 else rounds * pieces}
 
 
-@pytest.mark.parametrize("numel,halves", [(32, True), (128, False)])
-def test_two_members_halve_where_the_ring_would_not_pipeline(monkeypatch, numel, halves):
-    """Two members: one exchange each way from the collective's task (halving) where the ring's two
-    steps would be one piece each (2 x 16 floats); the pipelined ring where segments have pieces."""
-    from wanlink.collectives import halving
-    choice, halved, real = AlgorithmChoice(direct_max_bytes=0), [], halving.allreduce
-
-    async def spy(comm, tensor, reducer):
-        halved.append(comm.rank)
-        await real(comm, tensor, reducer)
-    monkeypatch.setattr(halving, "allreduce", spy)
-
-    async def member(comm):
-        tensor = data(comm.rank, numel)
-        await choice.allreduce(comm, tensor, reducer_for("sum", tensor.dtype, "t"), "sum")
-        return tensor
-
-    expected = reference("sum", [data(rank, numel) for rank in range(2)])
-    assert all(torch.equal(result, expected) for result in run_members(2, member, PIECE_BYTES))
-    assert sorted(halved) == ([0, 1] if halves else [])
-
-
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("size,block,direct_expected", [(4, 16, True), (4, 64, False), (2, 16, True)])
 def test_all_gather_and_reduce_scatter_go_direct_where_the_ring_would_not_pipeline(
