@@ -170,6 +170,9 @@ class LinkComm(Comm):
         every message but one as a task: a task, a loop iteration to start it and one more to hand
         its end back). The first failure ends it at once (the other receives are given back; sends
         already queued still go out, as a cancelled ``send``'s)."""
+        if not receives and len(sends) == 1:  # (a broadcast's root of two: nothing to run beside it)
+            await self.send(*sends[0])
+            return
         messages = [[peer, None] for peer, tensor, _piece in (*receives, *sends) if tensor.numel()]
         if not messages:
             return
