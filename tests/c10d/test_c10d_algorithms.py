@@ -290,5 +290,32 @@ def test_halving_allreduce_matches_the_reference_and_sends_what_the_ring_sends(s
         assert all(count == 2 * (size - 1) * numel * expected.element_size() // size for count in sent.values())
 
 
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_halving_posts_every_receive_before_it_sends_a_second_message(size):
+    """A partner's message that comes before this member is ready for it lands in place, not in staging."""
+    events = {}
+
+    async def member(comm):
+        log = events.setdefault(comm.rank, [])
+        send, recv = comm.send, comm.recv
+
+        async def logged_send(peer, tensor, piece=0):
+            log.append("send")
+            await send(peer, tensor, piece)
+
+        async def logged_recv(peer, tensor, piece=0):
+            log.append("recv")
+            await recv(peer, tensor, piece)
+        comm.send, comm.recv = logged_send, logged_recv
+        tensor = data(comm.rank, 64)
+        await halving.allreduce(comm, tensor, reducer_for("sum", tensor.dtype, "t"))
+        return tensor
+    expected = reference("sum", [data(rank, 64) for rank in range(size)])
+    assert all(torch.equal(result, expected) for result in run_members(size, member))
+    steps = 2 * (size.bit_length() - 1)
+    for log in events.values():
+        assert log.count("recv") == steps and "recv" not in log[log.index("send", 1):], log
+
+
 def test_halving_is_for_powers_of_two():
     assert [n for n in range(1, 17) if halving.usable(n)] == [2, 4, 8, 16]

@@ -51,3 +51,36 @@ def test_all_reduce_halves_where_the_ring_would_not_pipeline(size, numel, rounds
     assert all(torch.equal(result, expected) for result in run_members(size, member, PIECE_BYTES))
     pieces = -(-numel * 4 // size // PIECE_BYTES)
     assert set(messages.values()) == {rounds if pieces == 1 else rounds * pieces}
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("size,block,direct_expected", [(4, 16, True), (4, 64, False), (2, 16, True)])
+def test_all_gather_and_reduce_scatter_go_direct_where_the_ring_would_not_pipeline(
+        monkeypatch, op, size, block, direct_expected):
+    """A member's block of one piece (16 floats): one direct round; of 4 pieces: the pipelined ring."""
+    from wanlink.collectives import direct
+    choice, went_direct, real = AlgorithmChoice(direct_max_bytes=0), [], getattr(direct, op)
+
+    async def spy(comm, *args):
+        went_direct.append(comm.rank)
+        await real(comm, *args)
+    monkeypatch.setattr(direct, op, spy)
+
+    async def member(comm):
+        if op == "all_gather":
+            targets = [torch.zeros(block) for _ in range(size)]
+            await choice.all_gather(comm, data(comm.rank, block), targets)
+            return torch.cat(targets)
+        result = torch.zeros(block)
+        blocks = list(data(comm.rank, block * size).split(block))
+        await choice.reduce_scatter(comm, blocks, result, reducer_for("sum", result.dtype, "t"), "sum")
+        return result
+
+    results = run_members(size, member, PIECE_BYTES)
+    if op == "all_gather":
+        expected = [torch.cat([data(rank, block) for rank in range(size)])] * size
+    else:
+        total = reference("sum", [data(rank, block * size) for rank in range(size)])
+        expected = list(total.split(block))
+    assert all(torch.equal(result, want) for result, want in zip(results, expected))
+    assert sorted(went_direct) == (list(range(size)) if direct_expected else [])

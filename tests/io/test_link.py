@@ -914,3 +914,31 @@ async def test_a_readable_events_acks_leave_after_the_receives_it_completed_resu
         assert counting.sendmsg_calls == before + 1 and out == b"x" * 1000  # ...and left right after
     finally:
         await p.close()
+
+
+async def test_a_held_grant_and_the_next_chunk_leave_in_one_sendmsg(monkeypatch):
+    """What an exchange does (LinkComm.exchange): post a receive (its GRANT held), queue a send, release
+    after the chunks: the stream writes the grant and the data frame together, one system call."""
+    from wanlink.io.stream import Stream
+    writes, real = [], Stream._write
+
+    def recording(stream, parts, chunk):
+        writes.append((len(parts), chunk is not None))
+        return real(stream, parts, chunk)
+    monkeypatch.setattr(Stream, "_write", recording)
+    pair = await open_pair(1)
+    try:
+        link = pair.client
+        link.hold_frames()
+        _entry, received = link.start_recv(bytearray(5), tag=3)
+        sent = link.start_send(b"hello", tag=4, until="written")
+        link.release_frames(after_wakeups=True)
+        writes.clear()
+        await asyncio.wait_for(sent, 10)
+        assert writes[0] == (3, True)  # GRANT frame, DATA header, payload
+        out = bytearray(5)
+        await pair.accepted.recv_into(out, tag=4)
+        await pair.accepted.send(b"world", tag=3)
+        assert await asyncio.wait_for(received, 10) == 5 and out == b"hello"
+    finally:
+        await pair.close()

@@ -48,6 +48,45 @@ class ScratchPool:
 _scratch_pool = ScratchPool()
 
 
+def _release(held: list) -> None:
+    """Release the frames ``exchange`` held on each link (a receive's grant) at the end of this loop
+    iteration, after the chunks it queued: a stream writes them together, in one sendmsg."""
+    while held:
+        held.pop().release_frames(after_wakeups=True)
+
+
+async def _all_done(futures: Sequence[asyncio.Future], several_links: bool) -> None:
+    """Await every future; the first that fails ends the wait at once with its error. Futures of
+    one link fail together (the link failed), so awaiting them in order finds a failure as soon as
+    it happens; across links, a done callback watches for one while another is awaited."""
+    if not several_links:
+        for future in futures:
+            await future
+        return
+    task = asyncio.current_task()
+    failed: list = []  # the first future that failed; [None] once the wait is over
+
+    def on_done(future: asyncio.Future) -> None:
+        if not failed and not future.cancelled() and future.exception() is not None:
+            failed.append(future)
+            task.cancel()
+
+    for future in futures:
+        future.add_done_callback(on_done)
+    try:
+        for future in futures:
+            await future
+        return
+    except asyncio.CancelledError:
+        if not failed:
+            raise
+    finally:
+        culprit = failed[0] if failed else None
+        failed.append(None)
+    task.uncancel()  # the cancel was ours, to stop the wait: report the failure
+    raise culprit.exception()
+
+
 class LinkComm(Comm):
     """The ``Comm`` of one collective (or p2p op) of a group whose rank k is ``mesh_ranks[k]`` on ``mesh``."""
 
@@ -57,6 +96,7 @@ class LinkComm(Comm):
         self._mesh, self._mesh_ranks, self._base_tag, self._deadline = mesh, mesh_ranks, base_tag, deadline
         self._borrowed: list[torch.Tensor] = []
         self._waiting: dict[int, int] = {}  # peer -> this comm's unfinished sends and receives with it
+        self._exchanges: list[list] = []  # per running ``exchange``: [peer, future or None] per message
 
     @property
     def mesh(self) -> Mesh:
@@ -68,7 +108,10 @@ class LinkComm(Comm):
 
     def waiting_for(self) -> list[int]:
         """The peers this collective still waits on: sends not yet written, receives not yet complete."""
-        return [peer for peer, count in self._waiting.items() if count]
+        waiting = {peer for peer, count in self._waiting.items() if count}
+        for messages in self._exchanges:
+            waiting.update(peer for peer, future in messages if future is None or not future.done())
+        return sorted(waiting)
 
     def silent(self, peers: Sequence[int], longer_than: float) -> dict[int, float]:
         """Of ``peers``, those whose link received nothing for ``longer_than`` s: peer -> seconds (loop thread).
@@ -119,6 +162,55 @@ class LinkComm(Comm):
             await link.recv_into(as_buffer(tensor), tag=self._base_tag | piece)
         finally:
             waiting[peer] -= 1
+
+    async def exchange(self, sends: Sequence[tuple], receives: Sequence[tuple]) -> None:
+        """All of ``receives`` and ``sends`` ((peer, tensor, piece) each) at once, from this task:
+        receives are posted and sends queued before the first wait (``Link.start_recv`` /
+        ``start_send``), then their futures are awaited. No task per message (``gather_all`` runs
+        every message but one as a task: a task, a loop iteration to start it and one more to hand
+        its end back). The first failure ends it at once (the other receives are given back; sends
+        already queued still go out, as a cancelled ``send``'s)."""
+        if not receives and len(sends) == 1:  # (a broadcast's root of two: nothing to run beside it)
+            await self.send(*sends[0])
+            return
+        messages = [[peer, None] for peer, tensor, _piece in (*receives, *sends) if tensor.numel()]
+        if not messages:
+            return
+        self._exchanges.append(messages)  # (waiting_for names their peers until their futures are done)
+        posted: list[tuple] = []  # (link, entry) of each receive posted
+        futures: list[asyncio.Future] = []
+        held: list = []  # links whose frames wait for the chunks queued here
+        try:
+            index = 0
+            for sending, items in ((False, receives), (True, sends)):
+                for peer, tensor, piece in items:
+                    if not tensor.numel():
+                        continue
+                    link = self._mesh.cached(self._mesh_ranks[peer]) or await self._link(peer)
+                    if link not in held:
+                        link.hold_frames()
+                        held.append(link)
+                    tag = self._base_tag | piece
+                    if sending:
+                        future = link.start_send(as_buffer(tensor), tag=tag, deadline=self._deadline, until="written")
+                    else:
+                        entry, future = link.start_recv(as_buffer(tensor), tag=tag)
+                        posted.append((link, entry))
+                    messages[index][1] = future
+                    futures.append(future)
+                    index += 1
+            _release(held)
+            await _all_done(futures, len({peer for peer, _future in messages}) > 1)
+        except BaseException:
+            _release(held)
+            for link, entry in posted:
+                link.cancel_recv(entry)
+            for future in futures:  # (failures after the first: not logged as never retrieved)
+                if future.done() and not future.cancelled():
+                    future.exception()
+            raise
+        finally:
+            self._exchanges.remove(messages)
 
     async def recv_any(self, peers: Sequence[int], tensor: torch.Tensor, piece: int = 0,
                        landing: Callable[[int], torch.Tensor] | None = None) -> int:

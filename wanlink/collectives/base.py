@@ -21,6 +21,7 @@ class Comm(Protocol):
     Messages between two members are matched by ``piece``: the k-th ``send(peer, _, piece)`` is
     received by the k-th ``recv(_, _, piece)`` posted for that sender. Tensors are flat, contiguous
     CPU tensors; empty tensors carry no message (both sides skip them, as their sizes agree).
+    A Comm may also have ``exchange(sends, receives)``, several of both at once (see ``exchange``).
     """
 
     rank: int
@@ -60,6 +61,33 @@ def split(tensor: torch.Tensor, pieces: int) -> list[torch.Tensor]:
     return [tensor[start:stop] for start, stop in piece_bounds(tensor.numel(), pieces)]
 
 
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Tasks:
+    """Tasks an algorithm spawned (a ring's piece, receives posted ahead); all awaited at the end,
+    all cancelled on failure."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task] = []
+
+    def spawn(self, awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(awaitable)
+        self.tasks.append(task)
+        return task
+
+    async def run(self, body: Callable[["Tasks"], object]) -> None:
+        try:
+            await body(self)
+            await asyncio.gather(*self.tasks)
+        except BaseException:
+            await _cancel(self.tasks)
+            raise
+
+
 async def gather_all(awaitables: Sequence[Awaitable]) -> None:
     """Await all; on the first failure cancel the rest at once and re-raise it (no orphaned tasks).
 
@@ -97,3 +125,14 @@ async def gather_all(awaitables: Sequence[Awaitable]) -> None:
             raise
     caller.uncancel()  # the cancel was ours, to stop the one running inline: report the failure
     raise failed.exception()
+
+
+async def exchange(comm: Comm, sends: Sequence[tuple], receives: Sequence[tuple]) -> None:
+    """Every (peer, tensor, piece) of ``sends`` sent and of ``receives`` received, all at once, with
+    ``gather_all``'s outcome (the first failure ends it). Through the Comm's own ``exchange`` where it
+    has one (``LinkComm``: no task per message), else one ``send`` / ``recv`` each under ``gather_all``."""
+    own = getattr(comm, "exchange", None)
+    if own is not None:
+        await own(sends, receives)
+    else:
+        await gather_all([comm.send(*item) for item in sends] + [comm.recv(*item) for item in receives])

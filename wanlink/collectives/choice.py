@@ -1,7 +1,8 @@
 """Which algorithm a collective runs: direct exchange (one round) when every member's share is at
 most ``direct_max_bytes``; above it, the site-aware algorithms (collectives/hierarchical.py) when the
 group spans sites where they pay off, else pipelined rings and chains where they pipeline (more
-than one piece), and direct broadcast or halving all-reduce where they would not. AVG is a SUM
+than one piece), and direct broadcast, all-gather and reduce-scatter or halving all-reduce where
+they would not. AVG is a SUM
 finished by a division."""
 from __future__ import annotations
 
@@ -39,10 +40,19 @@ class AlgorithmChoice:
     def is_small(self, nbytes: int) -> bool:
         return nbytes <= self.direct_max_bytes
 
+    def _one_piece(self, comm: Comm, block: torch.Tensor) -> bool:
+        """Whether a flat group's ring would carry ``block`` (a member's share) as one piece: it
+        cannot pipeline, and its n-1 steps would each wait for the last. Direct exchange then moves
+        the same bytes per member ((n-1) blocks out, (n-1) in) in one round, as one exchange from
+        the collective's task (the chain's rule for broadcast below)."""
+        return self.sites is None and piece_count(block.numel(), block.element_size(), comm.piece_bytes) == 1
+
     async def allreduce(self, comm: Comm, buffer: torch.Tensor, reducer: Reducer, name: str) -> None:
         """Direct when small; site-aware where that pays; else the pipelined ring, but where its
         segments are one piece each (no pipelining) and the group is a power of two > 2, recursive
-        halving and doubling: the ring's bytes in 2 log2(n) steps instead of 2(n-1)."""
+        halving and doubling: the ring's bytes in 2 log2(n) steps instead of 2(n-1). (For two members
+        both take the same two steps; halving there measured slower at 4 MiB on a 16-core machine:
+        its steps wait for their sends, the ring's do not.)"""
         if self.is_small(_nbytes(buffer)):
             await direct.allreduce(comm, buffer, reducer)
         elif self.sites is not None:
@@ -57,8 +67,9 @@ class AlgorithmChoice:
 
     async def reduce_scatter(self, comm: Comm, blocks: Sequence[torch.Tensor], result: torch.Tensor,
                              reducer: Reducer, name: str) -> None:
-        """``result`` = the reduction over members of their ``blocks[rank]``."""
-        if self.is_small(_nbytes(result) * comm.size):
+        """``result`` = the reduction over members of their ``blocks[rank]``: direct when small, or in
+        a flat group where the ring's blocks are one piece each (``_one_piece``); else site-aware or the ring."""
+        if self.is_small(_nbytes(result) * comm.size) or self._one_piece(comm, result):
             await direct.reduce_scatter(comm, blocks, result, reducer)
         elif self.sites is not None:
             await hierarchical.reduce_scatter(comm, self.sites, blocks, result, reducer)
@@ -68,8 +79,10 @@ class AlgorithmChoice:
             finish_average(result, comm.size)
 
     async def all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        """``targets[k]`` = member k's ``source``."""
-        if self.is_small(sum(_nbytes(target) for target in targets)):
+        """``targets[k]`` = member k's ``source``: direct when small, or in a flat group where the
+        ring's blocks are one piece each (``_one_piece``); else site-aware or the ring."""
+        if self.is_small(sum(_nbytes(target) for target in targets)) or \
+                self._one_piece(comm, max(targets, key=lambda target: target.numel())):
             await direct.all_gather(comm, source, targets)
             return
         targets[comm.rank].copy_(source)

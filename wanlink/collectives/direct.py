@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from wanlink.collectives.base import Comm, Reducer, gather_all
+from wanlink.collectives.base import Comm, Reducer, exchange
 from wanlink.errors import DeadlineExceeded, PeerLost
 
 
@@ -29,9 +29,8 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
     """In place: every member ends with the reduction of all members' ``tensor``."""
     n, me = comm.size, comm.rank
     peers = [peer for peer in range(n) if peer != me]
-    incoming = {peer: torch.empty_like(tensor) for peer in peers}
-    await gather_all([comm.send(peer, tensor) for peer in peers]
-                     + [comm.recv(peer, incoming[peer]) for peer in peers])
+    incoming = {peer: comm.empty(tensor.numel(), tensor.dtype) for peer in peers}
+    await exchange(comm, [(peer, tensor, 0) for peer in peers], [(peer, incoming[peer], 0) for peer in peers])
     await _reduce_in_place(comm, reducer, tensor, incoming)
 
 
@@ -52,9 +51,8 @@ async def reduce_scatter(comm: Comm, blocks: Sequence[torch.Tensor], output: tor
     """``output`` on member r = reduction over members of their ``blocks[r]``."""
     n, me = comm.size, comm.rank
     peers = [peer for peer in range(n) if peer != me]
-    incoming = {peer: torch.empty_like(output) for peer in peers}
-    await gather_all([comm.send(peer, blocks[peer]) for peer in peers]
-                     + [comm.recv(peer, incoming[peer]) for peer in peers])
+    incoming = {peer: comm.empty(output.numel(), output.dtype) for peer in peers}
+    await exchange(comm, [(peer, blocks[peer], 0) for peer in peers], [(peer, incoming[peer], 0) for peer in peers])
     contributions = [blocks[me] if k == me else incoming[k] for k in range(n)]
     await _fold_in_rank_order(comm, reducer, contributions, output)
 
@@ -66,15 +64,15 @@ async def reduce(comm: Comm, tensor: torch.Tensor, root: int, reducer: Reducer) 
         await comm.send(root, tensor)
         return
     peers = [peer for peer in range(n) if peer != me]
-    incoming = {peer: torch.empty_like(tensor) for peer in peers}
-    await gather_all([comm.recv(peer, incoming[peer]) for peer in peers])
+    incoming = {peer: comm.empty(tensor.numel(), tensor.dtype) for peer in peers}
+    await exchange(comm, [], [(peer, incoming[peer], 0) for peer in peers])
     await _reduce_in_place(comm, reducer, tensor, incoming)
 
 
 async def broadcast(comm: Comm, tensor: torch.Tensor, root: int) -> None:
     """``root`` sends ``tensor`` to every member at once."""
     if comm.rank == root:
-        await gather_all([comm.send(peer, tensor) for peer in range(comm.size) if peer != root])
+        await exchange(comm, [(peer, tensor, 0) for peer in range(comm.size) if peer != root], [])
     else:
         await comm.recv(root, tensor)
 
@@ -85,8 +83,7 @@ async def all_gather(comm: Comm, tensor: torch.Tensor, outputs: Sequence[torch.T
     peers = [peer for peer in range(comm.size) if peer != me]
     if outputs[me].data_ptr() != tensor.data_ptr():
         outputs[me].copy_(tensor)
-    await gather_all([comm.send(peer, tensor) for peer in peers]
-                     + [comm.recv(peer, outputs[peer]) for peer in peers])
+    await exchange(comm, [(peer, tensor, 0) for peer in peers], [(peer, outputs[peer], 0) for peer in peers])
 
 
 async def gather(comm: Comm, tensor: torch.Tensor, root: int, outputs: Sequence[torch.Tensor] | None) -> None:
@@ -96,7 +93,7 @@ async def gather(comm: Comm, tensor: torch.Tensor, root: int, outputs: Sequence[
         await comm.send(root, tensor)
         return
     outputs[me].copy_(tensor)
-    await gather_all([comm.recv(peer, outputs[peer]) for peer in range(comm.size) if peer != me])
+    await exchange(comm, [], [(peer, outputs[peer], 0) for peer in range(comm.size) if peer != me])
 
 
 async def scatter(comm: Comm, inputs: Sequence[torch.Tensor] | None, root: int, output: torch.Tensor) -> None:
@@ -106,7 +103,7 @@ async def scatter(comm: Comm, inputs: Sequence[torch.Tensor] | None, root: int, 
         await comm.recv(root, output)
         return
     output.copy_(inputs[me])
-    await gather_all([comm.send(peer, inputs[peer]) for peer in range(comm.size) if peer != me])
+    await exchange(comm, [(peer, inputs[peer], 0) for peer in range(comm.size) if peer != me], [])
 
 
 async def all_to_all(comm: Comm, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
@@ -114,8 +111,7 @@ async def all_to_all(comm: Comm, inputs: Sequence[torch.Tensor], outputs: Sequen
     me = comm.rank
     peers = [peer for peer in range(comm.size) if peer != me]
     outputs[me].copy_(inputs[me])
-    await gather_all([comm.send(peer, inputs[peer]) for peer in peers]
-                     + [comm.recv(peer, outputs[peer]) for peer in peers])
+    await exchange(comm, [(peer, inputs[peer], 0) for peer in peers], [(peer, outputs[peer], 0) for peer in peers])
 
 
 async def barrier(comm: Comm) -> None:
@@ -124,8 +120,7 @@ async def barrier(comm: Comm) -> None:
     peers = [peer for peer in range(comm.size) if peer != me]
     token = torch.ones(1, dtype=torch.uint8)
     incoming = {peer: torch.empty(1, dtype=torch.uint8) for peer in peers}
-    await gather_all([comm.send(peer, token) for peer in peers]
-                     + [comm.recv(peer, incoming[peer]) for peer in peers])
+    await exchange(comm, [(peer, token, 0) for peer in peers], [(peer, incoming[peer], 0) for peer in peers])
 
 
 async def monitored_barrier(comm: Comm, seconds: float, wait_all_ranks: bool) -> None:
@@ -163,4 +158,4 @@ async def monitored_barrier(comm: Comm, seconds: float, wait_all_ranks: bool) ->
     if missing:
         shown = missing if wait_all_ranks else missing[:1]
         raise DeadlineExceeded(f"timed out after {seconds:g} s: rank(s) {shown} did not reach the barrier")
-    await gather_all([comm.send(peer, token) for peer in range(1, comm.size)])
+    await exchange(comm, [(peer, token, 0) for peer in range(1, comm.size)], [])

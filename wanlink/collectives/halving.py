@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, gather_all, piece_bounds
+from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, Tasks, piece_bounds
 
 GATHER = MAX_PIECES  # all-gather steps use pieces GATHER + s, reduce-scatter steps s
 
@@ -23,26 +23,46 @@ def usable(size: int) -> bool:
 
 
 async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
-    """In place: every member ends with the reduction of all members' ``tensor`` (``usable(comm.size)``)."""
+    """In place: every member ends with the reduction of all members' ``tensor`` (``usable(comm.size)``).
+
+    Every receive is posted at the start, the halving steps' into scratch and the doubling steps'
+    straight into the blocks they fill, so a partner's message that comes before this member is
+    ready for it lands in place instead of in staging (a copy more). A block a doubling step fills
+    was sent from in a halving step, and its final sum exists only once the partner received all of
+    that send: nothing this member still sends is overwritten (chunks re-sent after a stream died
+    are dropped there as duplicates), as in the ring.
+    """
     n, me = comm.size, comm.rank
     bounds = piece_bounds(tensor.numel(), n)
 
-    def blocks(lo: int, hi: int) -> torch.Tensor:
-        return tensor[bounds[lo][0]:bounds[hi - 1][1]]
+    def blocks(span: tuple[int, int]) -> torch.Tensor:
+        return tensor[bounds[span[0]][0]:bounds[span[1] - 1][1]]
 
-    lo, hi, distance, step = 0, n, n // 2, 0
+    halving, (lo, hi), distance = [], (0, n), n // 2  # (partner, kept blocks, given blocks) per step
     while distance:
         partner, mid = me ^ distance, (lo + hi) // 2
-        (keep_lo, keep_hi), (give_lo, give_hi) = ((lo, mid), (mid, hi)) if me < partner else ((mid, hi), (lo, mid))
-        keep = blocks(keep_lo, keep_hi)
-        incoming = comm.empty(keep.numel(), tensor.dtype)
-        await gather_all([comm.send(partner, blocks(give_lo, give_hi), step), comm.recv(partner, incoming, step)])
-        await comm.compute(reducer, keep, incoming)
-        lo, hi, distance, step = keep_lo, keep_hi, distance // 2, step + 1
-    distance, step = 1, 0
+        keep, give = ((lo, mid), (mid, hi)) if me < partner else ((mid, hi), (lo, mid))
+        halving.append((partner, keep, give))
+        (lo, hi), distance = keep, distance // 2
+    doubling, distance = [], 1  # (partner, finished blocks, blocks received) per step
     while distance < n:
         partner, width = me ^ distance, hi - lo
         other = (lo - width, lo) if me & distance else (hi, hi + width)
-        await gather_all([comm.send(partner, blocks(lo, hi), GATHER + step),
-                          comm.recv(partner, blocks(*other), GATHER + step)])
-        lo, hi, distance, step = min(lo, other[0]), max(hi, other[1]), distance * 2, step + 1
+        doubling.append((partner, (lo, hi), other))
+        lo, hi, distance = min(lo, other[0]), max(hi, other[1]), distance * 2
+
+    async def body(tasks: Tasks) -> None:
+        incoming = [comm.empty(blocks(keep).numel(), tensor.dtype) for _partner, keep, _give in halving]
+        halved = [tasks.spawn(comm.recv(partner, incoming[step], step))
+                  for step, (partner, _keep, _give) in enumerate(halving)]
+        gathered = [tasks.spawn(comm.recv(partner, blocks(other), GATHER + step))
+                    for step, (partner, _mine, other) in enumerate(doubling)]
+        for step, (partner, keep, give) in enumerate(halving):
+            await comm.send(partner, blocks(give), step)
+            await halved[step]
+            await comm.compute(reducer, blocks(keep), incoming[step])
+        for step, (partner, mine, _other) in enumerate(doubling):
+            await comm.send(partner, blocks(mine), GATHER + step)
+            await gathered[step]
+
+    await Tasks().run(body)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, gather_all, piece_count, split
+from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, Tasks, gather_all, piece_count, split
 
 ALL_GATHER = MAX_PIECES
 TO_ROOT = 2 * MAX_PIECES
@@ -30,32 +30,6 @@ RECEIVE_BUFFER_BYTES = 128 * 1024 * 1024
 whatever the tensor's size (fresh buffers for every piece cost a 2.25 GiB all-reduce 1.1 GiB more
 than gloo, and page faults on every first use). On 2 ranks that keeps 32 pieces of 4 MiB in flight,
 several bandwidth-delay products of a 2 Gbit/s, 80 ms path."""
-
-
-async def _cancel(tasks: list[asyncio.Task]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _Tasks:
-    """The tasks one piece spawned; all awaited at the end, all cancelled on failure."""
-
-    def __init__(self) -> None:
-        self.tasks: list[asyncio.Task] = []
-
-    def spawn(self, awaitable) -> asyncio.Task:
-        task = asyncio.ensure_future(awaitable)
-        self.tasks.append(task)
-        return task
-
-    async def run(self, body: Callable[["_Tasks"], object]) -> None:
-        try:
-            await body(self)
-            await asyncio.gather(*self.tasks)
-        except BaseException:
-            await _cancel(self.tasks)
-            raise
 
 
 class _ReceiveBuffers:
@@ -101,7 +75,7 @@ def _pieces(comm: Comm, segments: Sequence[torch.Tensor]) -> tuple[int, list[lis
 
 
 async def _reduce_scatter_piece(comm: Comm, pieces: list[list[torch.Tensor]], p: int, out: torch.Tensor,
-                                reducer: Reducer, receive_buffers: _ReceiveBuffers, tasks: _Tasks) -> None:
+                                reducer: Reducer, receive_buffers: _ReceiveBuffers, tasks: Tasks) -> None:
     """Reduce-scatter piece ``p`` into ``out``, reading ``pieces`` only (``out`` may be one of them).
 
     Each member folds its block into the partial sum it receives and forwards that buffer; the
@@ -163,9 +137,9 @@ async def reduce_scatter_into(comm: Comm, blocks: Sequence[torch.Tensor], output
     receive_buffers = _receive_buffers(comm, pieces)
 
     async def run_piece(p: int) -> None:
-        async def body(tasks: _Tasks) -> None:
+        async def body(tasks: Tasks) -> None:
             await _reduce_scatter_piece(comm, pieces, p, outputs[p], reducer, receive_buffers, tasks)
-        await _Tasks().run(body)
+        await Tasks().run(body)
 
     await gather_all([run_piece(p) for p in range(count)])
 
@@ -186,14 +160,14 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
     receive_buffers = _receive_buffers(comm, pieces)
 
     async def run_piece(p: int) -> None:
-        async def body(tasks: _Tasks) -> None:
+        async def body(tasks: Tasks) -> None:
             gathered = [tasks.spawn(comm.recv(left, pieces[(me - step - 1) % n][p], ALL_GATHER + p))
                         for step in range(n - 1)]
             await _reduce_scatter_piece(comm, pieces, p, pieces[me][p], reducer, receive_buffers, tasks)
             for step in range(n - 1):
                 tasks.spawn(comm.send(right, pieces[(me - step) % n][p], ALL_GATHER + p))
                 await gathered[step]
-        await _Tasks().run(body)
+        await Tasks().run(body)
 
     await gather_all([run_piece(p) for p in range(count)])
 
@@ -210,13 +184,13 @@ async def all_gather(comm: Comm, segments: Sequence[torch.Tensor]) -> None:
     count, pieces = _pieces(comm, segments)
 
     async def run_piece(p: int) -> None:
-        async def body(tasks: _Tasks) -> None:
+        async def body(tasks: Tasks) -> None:
             gathered = [tasks.spawn(comm.recv(left, pieces[(me - step - 1) % n][p], ALL_GATHER + p))
                         for step in range(n - 1)]
             for step in range(n - 1):
                 tasks.spawn(comm.send(right, pieces[(me - step) % n][p], ALL_GATHER + p))
                 await gathered[step]
-        await _Tasks().run(body)
+        await Tasks().run(body)
 
     await gather_all([run_piece(p) for p in range(count)])
 
@@ -254,7 +228,7 @@ async def broadcast(comm: Comm, tensor: torch.Tensor, root: int) -> None:
     count = piece_count(tensor.numel(), tensor.element_size(), comm.piece_bytes)
     pieces = split(tensor, count)
 
-    async def body(tasks: _Tasks) -> None:
+    async def body(tasks: Tasks) -> None:
         received = []
         if position > 0:
             received = [tasks.spawn(comm.recv(previous, piece, p)) for p, piece in enumerate(pieces)]
@@ -270,4 +244,4 @@ async def broadcast(comm: Comm, tensor: torch.Tensor, root: int) -> None:
                 await ready
             tasks.spawn(comm.send(following, piece, p))
 
-    await _Tasks().run(body)
+    await Tasks().run(body)

@@ -239,6 +239,13 @@ class Link:
         only tells the caller, the transfer's state lives in ``_outgoing`` (awaited directly, not
         through ``asyncio.shield``: a shield costs the caller one more loop iteration per send).
         """
+        await self.start_send(buffer, tag=tag, deadline=deadline, until=until)
+
+    def start_send(self, buffer, *, tag: int, deadline=0, until: str = "acked") -> asyncio.Future:
+        """``send`` without its wait: queues the message now and returns the future ``send`` awaits
+        (done as ``until`` says; failed with PeerLost). For exchanges that start several messages
+        from one task (``LinkComm.exchange``) instead of a task each. The message goes out whether
+        or not anyone awaits the future."""
         if until not in ("acked", "written"):
             raise ConfigError(f"send until must be 'acked' or 'written', got {until!r}")
         view = byte_view(buffer)
@@ -266,10 +273,21 @@ class Link:
             if announce:
                 self._queue_frame(announce_frame(tag, seq, transfer.total))
             self._queue_chunks(released)
-        await done
+        return done
 
     async def recv_into(self, buffer, *, tag: int) -> int:
         """Receive the next message on ``tag`` into ``buffer`` (exactly its size); returns its size."""
+        entry, waiter = self.start_recv(buffer, tag=tag)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            self.cancel_recv(entry)
+            raise
+
+    def start_recv(self, buffer, *, tag: int) -> tuple[Incoming, asyncio.Future]:
+        """``recv_into`` without its wait: posts the receive now; returns it and the future that
+        ``recv_into`` awaits (done with the message's size, or failed). A receive nobody awaits
+        any more must be given back with ``cancel_recv``."""
         view = byte_view(buffer, writable=True)
         _check_tag(tag)
         if self.error is not None:
@@ -277,25 +295,27 @@ class Link:
         entry = self.reassembler.post(tag, view)
         if entry.landing and not entry.done:
             self._land_directly(entry)
+        waiter = self.loop.create_future()
         self.hold_frames()  # the credit and the grant leave in one write
         try:
             self._return_credit()
             if entry.done:
                 if entry.error is not None:
                     raise entry.error
-                return entry.total
+                waiter.set_result(entry.total)
+                return entry, waiter
             self._queue_frame(grant_frame(tag, entry.seq))
         finally:
             self.release_frames()
-        waiter = self.loop.create_future()
         self._recv_waiters[entry] = waiter
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            self._recv_waiters.pop(entry, None)
-            if self.error is None:
-                self.reassembler.unpost(entry)
-            raise
+        return entry, waiter
+
+    def cancel_recv(self, entry: Incoming) -> None:
+        """Give back a receive of ``start_recv`` whose caller stopped waiting: a message it had not
+        finished goes to the next receive on its tag (nothing for a finished one or a failed link)."""
+        self._recv_waiters.pop(entry, None)
+        if self.error is None:
+            self.reassembler.unpost(entry)
 
     def _land_directly(self, entry: Incoming) -> None:
         """Chunks of ``entry`` that were arriving into staging when its receive was posted go on

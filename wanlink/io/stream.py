@@ -205,25 +205,27 @@ class Stream:
 
     def _write_ready(self, chunks: bool = True) -> bool:
         """Write control frames, then (``chunks``) chunks from the link's queue, while the kernel takes every byte.
+        The last control frames and the next chunk leave in one sendmsg (a grant and the data that
+        follows it: one system call here, one readable event at the peer).
         False when it stopped on a frame the kernel took part of (``_unsent`` holds the rest).
         (A closing stream sends its control frames, an ABORT among them, after the link let go of it.)"""
         while True:
+            parts: list = []
             if self.control:
                 frames, self.control = self.control[:MAX_FRAMES_PER_SEND], self.control[MAX_FRAMES_PER_SEND:]
-                if self._sealer is not None:
-                    frames = [self._sealer.seal_frame(frame) for frame in frames]
-                if not self._write(frames, None):
-                    return False
-                continue
-            if self.closing or not chunks:
-                return True
-            link = self.link
-            chunk = None if link.peer_closed else link.queue.pop()  # a closing peer reads no more data
-            if chunk is None:
-                return True
-            if not chunk.acked and not self._write(self._chunk_parts(chunk), chunk):
+                parts = frames if self._sealer is None else [self._sealer.seal_frame(frame) for frame in frames]
+            chunk = None
+            if chunks and not self.closing and not self.control:
+                link = self.link
+                chunk = None if link.peer_closed else link.queue.pop()  # a closing peer reads no more data
+                if chunk is not None and not chunk.acked:
+                    parts += self._chunk_parts(chunk)
+            if parts and not self._write(parts, None if chunk is None or chunk.acked else chunk):
                 return False
-            link.chunk_written(chunk, self)
+            if chunk is not None:
+                link.chunk_written(chunk, self)
+            elif not self.control:
+                return True
 
     def _chunk_parts(self, chunk: Chunk) -> list:
         """The DATA frame of ``chunk`` (header and payload parts), recorded as in flight on this stream."""
