@@ -33,7 +33,7 @@ def deal(shares, rates, piece, depth=2, lags=None):
     """A simulated timeline of a Dealer: each route sends its dealt pieces one after another at its
     true rate (after its lag), and asks for the next whenever fewer than ``depth`` are left to send.
     Returns each route's end time and the pieces each was dealt."""
-    dealer = Dealer(shares, piece)
+    dealer = Dealer(shares, piece, depth)
     lags = lags or {}
     busy = {carrier: lags.get(carrier, 0.0) for carrier, _o, _n in shares}  # when its last dealt piece ends
     got = {carrier: [] for carrier in busy}
@@ -63,7 +63,7 @@ def test_the_dealer_deals_each_route_its_own_share_in_order_shrinking_pieces_at_
     sizes = [n for _o, n in got[0]]
     assert sizes[:4] == [8] * 4 and sizes == sorted(sizes, reverse=True) and min(sizes) == 1  # 8 // TAIL_SHRINK
     assert dealer.moves == [] and dealer.dealt == {0: 64, 1: 64} and busy[0] == busy[1]
-    with pytest.raises(ConfigError, match="piece size"):
+    with pytest.raises(ConfigError, match="piece size and depth must be >= 1, got 0 bytes"):
         Dealer([(0, 0, 10)], 0)
 
 

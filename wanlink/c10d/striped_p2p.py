@@ -50,9 +50,10 @@ RESERVED_GROUP = "wanlink/striped-p2p"
 """Group name whose tag slot the striped transfers' data travels on."""
 RELAY_WINDOW = 4
 """Pieces a relay holds at once per share (received and not yet written onward into the kernel)."""
-FEED_DEPTH = 2
+FEED_DEPTH = 4
 """Pieces of a route dealt and not yet written into its WAN link (the rest stay with the source,
-for whichever route drains first)."""
+for whichever route drains first). Fewer left the links idle between pieces: "written" waits until
+at most 1 MiB of a piece is unacknowledged, and a carrier's next piece first crosses the local network."""
 END = piece_header(0, 0)
 """The header that ends a route."""
 NOMINAL_RATE = 100e6
@@ -293,7 +294,7 @@ class StripedP2P:
             shares = await self._watching([self.leader], grant, what, "cell leader")
             plan = routes(self.sites, self.rank, destination, shares)
             self._to(destination, ["plan", serial, nbytes, [[r.offset, r.length, r.carrier, r.partner] for r in plan]])
-            dealer = Dealer([(r.carrier, r.offset, r.length) for r in plan], self.piece_bytes)
+            dealer = Dealer([(r.carrier, r.offset, r.length) for r in plan], self.piece_bytes, FEED_DEPTH)
             jobs = [descriptor] + [self._feed(serial, index, route, destination, dealer, as_buffer(data))
                                    for index, route in enumerate(plan)]
             await self._watching([r.carrier for r in plan] + [destination], gather_all(jobs), what, "relay")

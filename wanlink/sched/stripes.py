@@ -112,16 +112,17 @@ class Dealer:
     when it has room (:meth:`next`): it gets the next piece of its own share, and once that is all
     dealt, the last undealt piece of the route with the most undealt bytes (work stealing: a route
     that was given too much for its real rate is relieved at its end). Each such move is kept in
-    :attr:`moves` as ``(from_carrier, to_carrier, nbytes)`` for the cell's scheduler. Pieces are
-    ``piece_bytes`` until the transfer's undealt bytes fall below two pieces per route; then they
-    shrink with them, down to ``piece_bytes // TAIL_SHRINK``, so what the routes hold when
-    everything is dealt ends about together.
+    :attr:`moves` as ``(from_carrier, to_carrier, nbytes)`` for the cell's scheduler. A route holds
+    at most ``depth`` pieces dealt and not yet sent on; pieces are ``piece_bytes`` until the
+    transfer's undealt bytes fall below ``depth`` pieces per route, then they shrink with them,
+    down to ``piece_bytes // TAIL_SHRINK``, so what the routes hold when everything is dealt ends
+    about together.
     """
 
-    def __init__(self, shares: Sequence[tuple[int, int, int]], piece_bytes: int):
-        if piece_bytes < 1:
-            raise ConfigError(f"piece size must be >= 1 byte, got {piece_bytes}")
-        self.piece_bytes = piece_bytes
+    def __init__(self, shares: Sequence[tuple[int, int, int]], piece_bytes: int, depth: int = 2):
+        if piece_bytes < 1 or depth < 1:
+            raise ConfigError(f"piece size and depth must be >= 1, got {piece_bytes} bytes and {depth}")
+        self.piece_bytes, self.depth = piece_bytes, depth
         self._smallest = max(1, piece_bytes // TAIL_SHRINK)
         self._undealt = {carrier: [offset, offset + length] for carrier, offset, length in shares}
         self.dealt = {carrier: 0 for carrier in self._undealt}
@@ -135,7 +136,7 @@ class Dealer:
     def next(self, carrier: int) -> tuple[int, int] | None:
         """``(offset, length)`` of the next piece for ``carrier``'s route; None when nothing is left."""
         undealt = sum(map(self.left, self._undealt))
-        piece = min(self.piece_bytes, max(self._smallest, undealt // (2 * len(self._undealt))))
+        piece = min(self.piece_bytes, max(self._smallest, undealt // (self.depth * len(self._undealt))))
         span = self._undealt[carrier]
         if span[0] < span[1]:
             offset, length = span[0], min(piece, span[1] - span[0])
