@@ -311,10 +311,7 @@ class StripedP2P:
         The source's own route goes straight to ``destination``, a piece dealt whenever one of the
         FEED_DEPTH in flight is written into the kernel; a carrier is sent its pieces over the local
         network, the next whenever it reports one written into its WAN link ("fed"). Bytes moved to
-        this route from another's share go to the leader, and so does the route's end once its
-        pieces are all queued on the WAN link (the source's own route: when the last is dealt; a
-        carrier's: when it holds them all): the next turn's bytes then queue behind them there, and
-        the link does not drain between turns. Returns when every piece is written into the WAN link.
+        this route from another's share, and the route's end (all of it written), go to the leader.
         """
         carrier, tag = route.carrier, relay_tag(self.slot, self.rank, serial, index)
         room = asyncio.Semaphore(FEED_DEPTH)
@@ -323,7 +320,6 @@ class StripedP2P:
             self._fed[(serial, index)] = room
             self._to(carrier, ["relay", self.rank, serial, index, destination, route.partner])
         link = await self.mesh.link(carrier if relayed else destination)
-        until = "acked" if relayed else "written"  # (a carrier's: it holds the piece)
         sends = []
         try:
             while True:
@@ -335,19 +331,17 @@ class StripedP2P:
                 if piece is None:
                     break
                 offset, length = piece
-                sends.append(asyncio.ensure_future(link.send(piece_header(offset, length), tag=tag, until=until)))
-                sends.append(asyncio.ensure_future(link.send(data[offset:offset + length], tag=tag, until=until)))
+                sends.append(asyncio.ensure_future(link.send(piece_header(offset, length), tag=tag, until="written")))
+                sends.append(asyncio.ensure_future(link.send(data[offset:offset + length], tag=tag, until="written")))
                 if not relayed:
                     sends[-1].add_done_callback(lambda _sent: room.release())
-            sends.append(asyncio.ensure_future(link.send(END, tag=tag, until=until)))
-            if relayed:  # (the carrier queues each piece on its WAN link as it lands)
-                await gather_all(sends)
-            self._tell(self.leader, ["done", serial, carrier, dealer.dealt[carrier]])
+            sends.append(asyncio.ensure_future(link.send(END, tag=tag, until="written")))
             await gather_all(sends)
             for _ in range(FEED_DEPTH - 1):  # every piece written into the WAN link (a carrier: reported)
                 await room.acquire()
         finally:
             self._fed.pop((serial, index), None)
+        self._tell(self.leader, ["done", serial, carrier, dealer.dealt[carrier]])
 
     async def receive(self, source: int, serial: int, buffer: torch.Tensor) -> None:
         """Receive striped transfer ``serial`` of ``source`` into ``buffer``."""
