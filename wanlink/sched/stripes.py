@@ -32,7 +32,7 @@ MAX_ROUTES = 255
 _HEADER = struct.Struct("<qq")
 HEADER_BYTES = _HEADER.size
 """Bytes of the header that goes ahead of every piece on a route: its offset and length."""
-TAIL_SHRINK = 8
+TAIL_SHRINK = 2
 """A transfer's last pieces are down to 1/TAIL_SHRINK of the piece size (:class:`Dealer`)."""
 
 
