@@ -71,7 +71,7 @@ def test_the_dealer_deals_each_route_its_own_share_in_order_shrinking_pieces_at_
 def test_a_route_that_drains_first_takes_the_tail_of_the_others_so_they_end_together(lags):
     """The split was made with equal rates, but route 1 runs at 0.7 of route 0 (and, second case,
     starts 3 s late, its local phase): stealing the slow route's last pieces ends both within a
-    piece's time, where the split alone ends them 30 % (and 3 s) apart."""
+    piece's time, where with the split alone the slow one ends 43 % later (and 3 s more)."""
     rates, piece = {0: 10.0, 1: 7.0}, 4
     busy, got, dealer = deal([(0, 0, 400), (1, 400, 400)], rates, piece, lags=lags)
     assert abs(busy[0] - busy[1]) <= piece / rates[1] + 1e-9, busy

@@ -22,7 +22,9 @@ The scheduler does no I/O and reads no clock of its own: the caller feeds it eve
 (:meth:`CellScheduler.submit`, :meth:`~CellScheduler.progress`, :meth:`~CellScheduler.member_lost`)
 and carries out the actions each returns (:class:`SendShare`, :class:`TransferFinished`,
 :class:`TransferFailed`). Member rates are re-measured from every finished share with the
-injected clock.
+injected clock. A caller that deals a turn's shares out piece by piece as members drain
+(:class:`~wanlink.sched.stripes.Dealer`) reports bytes it gave one member from another's share
+with :meth:`CellScheduler.move`.
 
 A member that dies mid-turn: the part of its share not yet delivered is re-split over the live
 members, and the transfer finishes over them. A transfer fails (:class:`TransferFailed` carrying a
