@@ -26,7 +26,8 @@ iteration after the first two (site-aware and flat ring; no gloo). Needs root (n
 
 ``--streams N`` sets ``WANLINK_STREAMS`` on every rank (both modes alike; unset, each link probes its
 own count when it opens). ``--trace`` (part p2p) records every rank's striping steps (control messages,
-the cell leader's actions, each send and receive of 1 MiB or more per hop with its start and end), each
+the cell leader's actions, each send and receive of 1 MiB or more per hop with its start and end, where
+each rank's timing of a case starts), each
 rank's and the machine's CPU every 100 ms and every link's stream count, into <name>_trace.txt.
 
     sudo python3 -m bench.sites [--parts collectives ddp p2p] [--rates 250 500] [--sizes-mib 64 256] [--iters 2]
@@ -95,6 +96,8 @@ def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
     tensor = torch.full((nbytes // 4,), float(rank))
     dist.barrier()
     started, wall = time.perf_counter(), time.time()
+    if TRACING:
+        _record("timed from here", [f"{src}->{dst}" for src, dst in pairs])
     works = [(dist.isend(tensor, dst) if rank == src else dist.irecv(tensor, src), src, dst)
              for src, dst in pairs if rank in (src, dst)]
     done = {}
@@ -319,6 +322,7 @@ def plot_timeline(timelines: list[dict], run, name: str) -> Path:
 TRACE_MIN_BYTES = 1 << 20  # sends and receives traced: of this size or more
 TRACE_CPU_S = 0.1
 TRACE_EVENTS: list[tuple] = []  # (wall seconds, event, fields...) of this rank
+TRACING = False  # install_trace ran: time_sends records where each rank's timing starts
 
 
 def _record(*event) -> None:
@@ -329,9 +333,11 @@ def install_trace() -> None:
     """Wrap the striping service and the links' sends and receives (once per process): control messages,
     the cell leader's actions, every send and receive of TRACE_MIN_BYTES or more with its start and end;
     and sample this rank's CPU and the machine's every TRACE_CPU_S."""
+    global TRACING
     from wanlink.c10d import striped_p2p
     from wanlink.io import link as link_module
 
+    TRACING = True
     service = striped_p2p.StripedP2P
     original_dispatch, original_carry_out = service._dispatch, service._carry_out
 

@@ -341,3 +341,36 @@ def test_cancelling_ends_the_owners_turn_at_once_and_drops_a_queued_transfer():
     assert cell.cancel("first") == [] and cell.cancel("never") == []
     assert cell.progress(1, 2 * MiB) == [] and cell.progress(0, 2 * MiB)[0].key == "queued"
     assert cell.owner is None and cell.queued() == 0
+
+
+def test_bytes_moved_to_a_member_that_drained_first_are_its_to_report_and_measure_it():
+    """The source dealt the tail of member 1's share to member 0 (``move``): member 1's share ends
+    early, member 0 reports its share and the moved bytes, and the rates follow what each delivered."""
+    now = [0.0]
+    cell = CellScheduler([0, 1], [MB_S, MB_S], clock=lambda: now[0], smoothing=1.0)
+    shares = cell.submit(0, 8 * MiB, "t")
+    assert [(a.rank, a.offset, a.length) for a in shares] == [(0, 0, 4 * MiB), (1, 4 * MiB, 4 * MiB)]
+    now[0] = 2.0
+    cell.move("t", 1, 0, 2 * MiB)
+    assert cell.progress(1, 2 * MiB) == []  # member 1's share is now its first 2 MiB
+    now[0] = 6.0
+    (finished,) = cell.progress(0, 6 * MiB)
+    assert finished == TransferFinished("t", 8 * MiB, 0.0, 6.0)
+    assert cell.rates() == pytest.approx({0: MiB, 1: MiB})  # 6 MiB in 6 s (both shares), 2 MiB in 2 s
+    cell.submit(1, 4 * MiB, "u")
+    cell.move("u", 0, 1, 2 * MiB)  # the whole of member 0's share: it has nothing left to report
+    (finished,) = cell.progress(1, 4 * MiB)
+    assert finished.key == "u"
+
+
+def test_moves_that_do_not_fit_are_refused():
+    cell = CellScheduler([0, 1], [MB_S, MB_S], clock=lambda: 0.0)
+    with pytest.raises(ConfigError, match="does not own the cell"):
+        cell.move("t", 1, 0, MiB)
+    cell.submit(0, 8 * MiB, "t")
+    with pytest.raises(ConfigError, match=f"cannot move {4 * MiB + 1} bytes .* rank 1, which has {4 * MiB}"):
+        cell.move("t", 1, 0, 4 * MiB + 1)
+    cell.member_lost(0)  # (the source: the transfer failed)
+    cell.submit(1, 8 * MiB, "u")
+    with pytest.raises(ConfigError, match="rank 0: it was lost"):
+        cell.move("u", 1, 0, MiB)

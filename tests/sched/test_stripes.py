@@ -3,7 +3,7 @@ import pytest
 
 from wanlink.errors import ConfigError
 from wanlink.sched.sites import SiteMap
-from wanlink.sched.stripes import Route, pieces, routes, striped
+from wanlink.sched.stripes import TAIL_SHRINK, Dealer, Route, piece_header, read_piece_header, routes, striped
 
 MiB = 1 << 20
 
@@ -29,8 +29,63 @@ def test_the_sources_share_goes_straight_and_the_others_pair_with_the_remote_mem
         routes(sites, 2, 3, [(1, 0, 4)])
 
 
-def test_pieces_cover_a_share_in_order():
-    assert pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
-    assert pieces(0, 4) == []
-    with pytest.raises(ConfigError, match="piece size"):
-        pieces(10, 0)
+def deal(shares, rates, piece, depth=2, lags=None):
+    """A simulated timeline of a Dealer: each route sends its dealt pieces one after another at its
+    true rate (after its lag), and asks for the next whenever fewer than ``depth`` are left to send.
+    Returns each route's end time and the pieces each was dealt."""
+    dealer = Dealer(shares, piece, depth)
+    lags = lags or {}
+    busy = {carrier: lags.get(carrier, 0.0) for carrier, _o, _n in shares}  # when its last dealt piece ends
+    got = {carrier: [] for carrier in busy}
+    ends = {carrier: [] for carrier in busy}  # end times of the pieces dealt and not yet sent
+    for carrier in busy:
+        for _ in range(depth):
+            if (dealt := dealer.next(carrier)) is not None:
+                got[carrier].append(dealt)
+                busy[carrier] += dealt[1] / rates[carrier]
+                ends[carrier].append(busy[carrier])
+    while any(ends.values()):
+        now, carrier = min((times[0], c) for c, times in ends.items() if times)
+        ends[carrier].pop(0)
+        if (dealt := dealer.next(carrier)) is not None:
+            got[carrier].append(dealt)
+            busy[carrier] = max(busy[carrier], now) + dealt[1] / rates[carrier]
+            ends[carrier].append(busy[carrier])
+    return busy, got, dealer
+
+
+def test_the_dealer_deals_each_route_its_own_share_in_order_shrinking_pieces_at_the_end():
+    busy, got, dealer = deal([(0, 0, 64), (1, 64, 64)], {0: 1.0, 1: 1.0}, piece=8)
+    for carrier, start in ((0, 0), (1, 64)):
+        offsets = [offset for offset, _n in got[carrier]]
+        assert offsets[0] == start and offsets == sorted(offsets)
+        assert sum(n for _o, n in got[carrier]) == 64
+    sizes = [n for _o, n in got[0]]
+    assert sizes[:4] == [8] * 4 and sizes == sorted(sizes, reverse=True) and min(sizes) == 8 // TAIL_SHRINK < 8
+    assert dealer.moves == [] and dealer.dealt == {0: 64, 1: 64} and busy[0] == busy[1]
+    with pytest.raises(ConfigError, match="piece size and depth must be >= 1, got 0 bytes"):
+        Dealer([(0, 0, 10)], 0)
+
+
+@pytest.mark.parametrize("lags", [None, {1: 3.0}])
+def test_a_route_that_drains_first_takes_the_tail_of_the_others_so_they_end_together(lags):
+    """The split was made with equal rates, but route 1 runs at 0.7 of route 0 (and, second case,
+    starts 3 s late, its local phase): stealing the slow route's last pieces ends both within a
+    piece's time, where with the split alone the slow one ends 43 % later (and 3 s more)."""
+    rates, piece = {0: 10.0, 1: 7.0}, 4
+    busy, got, dealer = deal([(0, 0, 400), (1, 400, 400)], rates, piece, lags=lags)
+    assert abs(busy[0] - busy[1]) <= piece / rates[1] + 1e-9, busy
+    start = (lags or {}).get(1, 0.0)
+    ideal = (800 + start * rates[1]) / (rates[0] + rates[1])
+    assert max(busy.values()) <= ideal + piece / rates[1], (busy, ideal)
+    covered = sorted(p for pieces in got.values() for p in pieces)
+    assert sum(n for _o, n in covered) == 800 and all(o1 + n1 == o2 for (o1, n1), (o2, _n) in zip(covered, covered[1:]))
+    moved = sum(n for giver, taker, n in dealer.moves if (giver, taker) == (1, 0))
+    assert moved > 0 and dealer.dealt == {0: 400 + moved, 1: 400 - moved}
+
+
+def test_piece_headers_round_trip_and_a_piece_outside_the_transfer_is_refused():
+    assert read_piece_header(piece_header(8, 4), 12, "x") == (8, 4)
+    assert read_piece_header(piece_header(0, 0), 12, "x") == (0, 0)
+    with pytest.raises(ConfigError, match="recv of 12 bytes: a piece of 4 bytes at offset 9 does not fit"):
+        read_piece_header(piece_header(9, 4), 12, "recv of 12 bytes")

@@ -4,10 +4,13 @@ A large send from site A to site B (``wanlink.sched.stripes.striped``) crosses t
 member of A at once: the source asks its cell's leader (LocalDPRank 0, which runs the cell's
 :class:`~wanlink.sched.cells.CellScheduler`) for a turn; the grant lists one share per live
 member; each share goes source -> carrier (local network) -> partner in B (the carrier's WAN
-link) -> destination (B's local network), as consecutive pieces, and the destination receives
-every piece straight into the posted tensor. Two transfers of one cell take turns: the next is
-granted when every member reported its WAN hop of the current one written into the kernel (its
-last bytes still in flight there, ahead of the next transfer's on the same link).
+link) -> destination (B's local network) as pieces, each with a header saying where it lands, and
+the destination receives every piece straight into the posted tensor. The source deals the pieces
+as the routes drain (``wanlink.sched.stripes.Dealer``): a carrier is fed its next piece when it
+reports one written into its WAN link, so it holds at most FEED_DEPTH, and a route that drains its
+share first takes the tail of another's. Two transfers of one cell take turns: the next is granted
+when the source reported every route's last piece written into the kernel (its last bytes still
+in flight there, ahead of the next transfer's on the same link).
 
 Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
 reads the control messages of all its links on the loop thread and relays what it is asked to.
@@ -37,7 +40,9 @@ from wanlink.c10d.tags import relay_tag
 from wanlink.collectives.base import gather_all
 from wanlink.errors import ConfigError, PeerLost
 from wanlink.sched.cells import CellScheduler, SendShare, TransferFailed, TransferFinished
-from wanlink.sched.stripes import MAX_ROUTES, Route, pieces, routes, striped
+from wanlink.sched.stripes import (
+    HEADER_BYTES, MAX_ROUTES, Dealer, Route, piece_header, read_piece_header, routes, striped,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,12 @@ RESERVED_GROUP = "wanlink/striped-p2p"
 """Group name whose tag slot the striped transfers' data travels on."""
 RELAY_WINDOW = 4
 """Pieces a relay holds at once per share (received and not yet written onward into the kernel)."""
+FEED_DEPTH = 4
+"""Pieces of a route dealt and not yet written into its WAN link (the rest stay with the source,
+for whichever route drains first). Fewer left the links idle between pieces: "written" waits until
+at most 1 MiB of a piece is unacknowledged, and a carrier's next piece first crosses the local network."""
+END = piece_header(0, 0)
+"""The header that ends a route."""
 NOMINAL_RATE = 100e6
 """Initial WAN rate of every member (bytes/s): equal shares until finished shares measure them."""
 SERIALS = 1 << 22
@@ -110,6 +121,7 @@ class StripedP2P:
                                            site=self.sites.site(self.rank))
         self._serials = itertools.count()
         self._plans: dict[tuple[int, int], asyncio.Future] = {}
+        self._fed: dict[tuple[int, int], asyncio.Semaphore] = {}  # (serial, route): a carrier's room
         self._grants: dict[tuple[int, int], asyncio.Future] = {}
         self._granted: set[tuple[int, int]] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -171,16 +183,20 @@ class StripedP2P:
         if kind == "relay":
             self._spawn(self._relay(peer, *fields))
         elif kind == "plan":
-            serial, total, piece_bytes, plan = fields
+            serial, total, plan = fields
             future = self._future(self._plans, (peer, serial))
             if not future.done():  # (cancelled: its receive gave up)
-                future.set_result((total, piece_bytes, [Route(*r) for r in plan]))
+                future.set_result((total, [Route(*r) for r in plan]))
+        elif kind == "fed":
+            room = self._fed.get(tuple(fields))
+            if room is not None:
+                room.release()
         elif kind == "grant":
             serial, shares = fields
             future = self._grants.get((self.rank, serial))
             if future is not None and not future.done():
                 future.set_result(shares)
-        elif kind in ("request", "done", "cancel") and self.scheduler is not None:
+        elif kind in ("request", "moved", "done", "cancel") and self.scheduler is not None:
             self._lead(peer, kind, fields)
         else:
             logger.warning("striped p2p: rank %d ignored control message %r from rank %d",
@@ -200,11 +216,14 @@ class StripedP2P:
         if kind == "request":
             serial, nbytes = fields
             actions = scheduler.submit(peer, nbytes, (peer, serial))
-        elif kind == "done":
-            origin, serial, nbytes = fields
-            if scheduler.owner != (origin, serial):  # a cancelled transfer's late report
+        elif kind in ("moved", "done"):  # from the source: pieces dealt to another route, a route's end
+            serial, rank, *rest = fields
+            if scheduler.owner != (peer, serial):  # a cancelled transfer's late report
                 return
-            actions = scheduler.progress(peer, nbytes)
+            if kind == "moved":
+                scheduler.move((peer, serial), rank, *rest)
+                return
+            actions = scheduler.progress(rank, *rest)
         else:
             origin, serial = fields
             self._granted.discard((origin, serial))
@@ -274,18 +293,10 @@ class StripedP2P:
             self._to(self.leader, ["request", serial, nbytes])
             shares = await self._watching([self.leader], grant, what, "cell leader")
             plan = routes(self.sites, self.rank, destination, shares)
-            self._to(destination, ["plan", serial, nbytes, self.piece_bytes,
-                                   [[r.offset, r.length, r.carrier, r.partner] for r in plan]])
-            jobs = [descriptor]
-            for index, route in enumerate(plan):
-                share = data[route.offset:route.offset + route.length]
-                tag = relay_tag(self.slot, self.rank, serial, index)
-                if route.carrier == self.rank:
-                    jobs.append(self._send_pieces(destination, tag, share, (self.rank, serial)))
-                else:
-                    self._to(route.carrier, ["relay", self.rank, serial, index, destination, route.partner,
-                                             route.length, self.piece_bytes])
-                    jobs.append(self._send_pieces(route.carrier, tag, share))
+            self._to(destination, ["plan", serial, nbytes, [[r.offset, r.length, r.carrier, r.partner] for r in plan]])
+            dealer = Dealer([(r.carrier, r.offset, r.length) for r in plan], self.piece_bytes, FEED_DEPTH)
+            jobs = [descriptor] + [self._feed(serial, index, route, destination, dealer, as_buffer(data))
+                                   for index, route in enumerate(plan)]
             await self._watching([r.carrier for r in plan] + [destination], gather_all(jobs), what, "relay")
         except BaseException:
             descriptor.cancel()
@@ -294,26 +305,43 @@ class StripedP2P:
         finally:
             self._grants.pop((self.rank, serial), None)
 
-    async def _send_pieces(self, rank: int, tag: int, share: torch.Tensor, report: tuple | None = None) -> None:
-        """Send ``share`` to ``rank`` as pieces on ``tag``.
+    async def _feed(self, serial: int, index: int, route: Route, destination: int, dealer: Dealer, data) -> None:
+        """Deal route ``index`` its pieces as it drains, each behind its header, then its end.
 
-        To a carrier (local network): RELAY_WINDOW pieces at a time, each until the carrier holds it,
-        so its first piece goes at the full local rate (not interleaved with the whole share's) and
-        the carrier stages at most a window beyond the pieces it has posted. The WAN hop (``report``):
-        every piece at once, until all of it is written into the kernel (its last bytes queue there
-        ahead of whatever this link sends next), then tell the leader.
+        The source's own route goes straight to ``destination``, a piece dealt whenever one of the
+        FEED_DEPTH in flight is written into the kernel; a carrier is sent its pieces over the local
+        network, the next whenever it reports one written into its WAN link ("fed"). Bytes moved to
+        this route from another's share, and the route's end (all of it written), go to the leader.
         """
-        link = await self.mesh.link(rank)
-        view = as_buffer(share)
-        window = asyncio.Semaphore(RELAY_WINDOW if report is None else max(1, len(view)))
-
-        async def send_piece(offset: int, size: int) -> None:
-            async with window:
-                await link.send(view[offset:offset + size], tag=tag, until="acked" if report is None else "written")
-
-        await gather_all([send_piece(offset, size) for offset, size in pieces(len(view), self.piece_bytes)])
-        if report is not None:
-            self._tell(self.leader, ["done", *report, len(view)])
+        carrier, tag = route.carrier, relay_tag(self.slot, self.rank, serial, index)
+        room = asyncio.Semaphore(FEED_DEPTH)
+        relayed = carrier != self.rank
+        if relayed:
+            self._fed[(serial, index)] = room
+            self._to(carrier, ["relay", self.rank, serial, index, destination, route.partner])
+        link = await self.mesh.link(carrier if relayed else destination)
+        sends = []
+        try:
+            while True:
+                await room.acquire()
+                moves = len(dealer.moves)
+                piece = dealer.next(carrier)
+                for giver, taker, nbytes in dealer.moves[moves:]:  # (this call's: it took another's piece)
+                    self._to(self.leader, ["moved", serial, giver, taker, nbytes])
+                if piece is None:
+                    break
+                offset, length = piece
+                sends.append(asyncio.ensure_future(link.send(piece_header(offset, length), tag=tag, until="written")))
+                sends.append(asyncio.ensure_future(link.send(data[offset:offset + length], tag=tag, until="written")))
+                if not relayed:
+                    sends[-1].add_done_callback(lambda _sent: room.release())
+            sends.append(asyncio.ensure_future(link.send(END, tag=tag, until="written")))
+            await gather_all(sends)
+            for _ in range(FEED_DEPTH - 1):  # every piece written into the WAN link (a carrier: reported)
+                await room.acquire()
+        finally:
+            self._fed.pop((serial, index), None)
+        self._tell(self.leader, ["done", serial, carrier, dealer.dealt[carrier]])
 
     async def receive(self, source: int, serial: int, buffer: torch.Tensor) -> None:
         """Receive striped transfer ``serial`` of ``source`` into ``buffer``."""
@@ -321,50 +349,68 @@ class StripedP2P:
         what = (f"wanlink striped recv of {nbytes} bytes at rank {self.rank} from rank {source} "
                 f"(site {self.sites.site(source)!r})")
         try:
-            total, piece_bytes, plan = await self._watching([source], self._future(self._plans, (source, serial)),
-                                                            what, "source")
+            total, plan = await self._watching([source], self._future(self._plans, (source, serial)), what, "source")
         finally:
             self._plans.pop((source, serial), None)
         if total != nbytes:
             raise ConfigError(f"{what}: rank {source} sent {total} bytes on this tag, but the receive "
                               f"posted a tensor of {nbytes} bytes")
-        view = as_buffer(buffer.reshape(-1))
-        jobs = []
-        for index, route in enumerate(plan):
-            link = await self.mesh.link(route.last_hop(self.rank))
-            tag = relay_tag(self.slot, source, serial, index)
-            jobs += [link.recv_into(view[route.offset + offset:route.offset + offset + size], tag=tag)
-                     for offset, size in pieces(route.length, piece_bytes)]
+        view, landed = as_buffer(buffer.reshape(-1)), []
+        jobs = [self._land(await self.mesh.link(route.last_hop(self.rank)), relay_tag(self.slot, source, serial, index),
+                           view, what, landed) for index, route in enumerate(plan)]
         members = [source] + [rank for route in plan for rank in (route.carrier, route.partner)]
         await self._watching(members, gather_all(jobs), what, "relay")
+        if sum(landed) != nbytes:
+            raise ConfigError(f"{what}: rank {source}'s routes brought {sum(landed)} of its {nbytes} bytes")
 
-    async def _relay(self, peer: int, origin: int, serial: int, index: int, destination: int, next_hop: int,
-                     length: int, piece_bytes: int) -> None:
-        """Forward a share from ``peer`` to ``next_hop`` piece by piece; the carrier reports its WAN hop."""
+    @staticmethod
+    async def _land(link, tag: int, view, what: str, landed: list[int]) -> None:
+        """Receive one route's pieces, each where its header says, until its end; appends their bytes to ``landed``."""
+        header, count = bytearray(HEADER_BYTES), 0
+        while True:
+            await link.recv_into(header, tag=tag)
+            offset, length = read_piece_header(header, len(view), what)
+            if not length:
+                landed.append(count)
+                return
+            await link.recv_into(view[offset:offset + length], tag=tag)
+            count += length
+
+    async def _relay(self, peer: int, origin: int, serial: int, index: int, destination: int, next_hop: int) -> None:
+        """Forward a route's pieces from ``peer`` to ``next_hop`` as each arrives; a carrier tells the
+        source each piece it wrote into its WAN link, so the source deals it the next."""
         tag = relay_tag(self.slot, origin, serial, index)
         carrying = self.sites.site(self.rank) == self.sites.site(origin)
+        what = f"wanlink striped p2p relay at rank {self.rank} of rank {origin}'s transfer {serial}"
         try:
             inbound, outbound = await self.mesh.link(peer), await self.mesh.link(next_hop)
             if next_hop != destination:
-                outbound.send_control(["relay", origin, serial, index, destination, destination, length, piece_bytes])
+                outbound.send_control(["relay", origin, serial, index, destination, destination])
             window = asyncio.Semaphore(RELAY_WINDOW)
             free: list[memoryview] = []  # piece buffers whose forward was written: reused
             sends = []
-            for _offset, size in pieces(length, piece_bytes):
+            while True:
+                header = bytearray(HEADER_BYTES)
+                await inbound.recv_into(header, tag=tag)
+                _offset, length = read_piece_header(header, inbound.limits.max_transfer_size, what)
+                sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
+                if not length:
+                    break
                 await window.acquire()
-                buffer = free.pop() if free else memoryview(bytearray(piece_bytes))
-                await inbound.recv_into(buffer[:size], tag=tag)
-                forward = asyncio.ensure_future(outbound.send(buffer[:size], tag=tag, until="written"))
+                buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
+                await inbound.recv_into(buffer[:length], tag=tag)
+                forward = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
 
-                def reuse(_forward, buffer=buffer) -> None:
+                def forwarded(sent, buffer=buffer, length=length) -> None:
                     free.append(buffer)
                     window.release()
-                forward.add_done_callback(reuse)
+                    if not sent.cancelled() and sent.exception() is None:
+                        self.relayed_bytes += length
+                        if carrying:
+                            self._tell(origin, ["fed", serial, index])
+                forward.add_done_callback(forwarded)
                 sends.append(forward)
             await gather_all(sends)
-            self.relayed_bytes += length
-            if carrying:
-                self._tell(self.leader, ["done", origin, serial, length])
         except Exception as error:  # noqa: BLE001 - the ends see the lost member on their own links
             logger.warning("striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
                            "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)

@@ -22,7 +22,9 @@ The scheduler does no I/O and reads no clock of its own: the caller feeds it eve
 (:meth:`CellScheduler.submit`, :meth:`~CellScheduler.progress`, :meth:`~CellScheduler.member_lost`)
 and carries out the actions each returns (:class:`SendShare`, :class:`TransferFinished`,
 :class:`TransferFailed`). Member rates are re-measured from every finished share with the
-injected clock.
+injected clock. A caller that deals a turn's shares out piece by piece as members drain
+(:class:`~wanlink.sched.stripes.Dealer`) reports bytes it gave one member from another's share
+with :meth:`CellScheduler.move`.
 
 A member that dies mid-turn: the part of its share not yet delivered is re-split over the live
 members, and the transfer finishes over them. A transfer fails (:class:`TransferFailed` carrying a
@@ -242,13 +244,16 @@ class CellScheduler:
         if nbytes > pending:
             raise ConfigError(f"rank {rank} reported {nbytes} bytes delivered but has only {pending} to send")
         now = self._clock()
+        done = 0  # bytes of the shares this report finished: measured together
         while nbytes:
             share = member.shares[0]
             step = min(nbytes, share.length - share.delivered)
             share.delivered += step
             nbytes -= step
             if share.delivered == share.length:
-                self._share_done(member, now)
+                done += member.shares.popleft().length
+        if done:
+            self._share_done(member, done, share.relayed, now)
         return self._finish_turn_if_done(now)
 
     def member_lost(self, rank: int) -> list[Action]:
@@ -278,6 +283,30 @@ class CellScheduler:
         for offset, length in undelivered:
             actions += self._assign(current, self._split(current.source, offset, length), now)
         return actions + self._finish_turn_if_done(now)
+
+    def move(self, key: Hashable, giver: int, taker: int, nbytes: int) -> None:
+        """The last ``nbytes`` of member ``giver``'s undelivered share of the current transfer ``key``
+        went to member ``taker`` instead (its source deals pieces as members drain, and ``taker``
+        drained first: :class:`~wanlink.sched.stripes.Dealer`). ``taker`` reports them with its own."""
+        if self._current is None or self._current.key != key:
+            raise ConfigError(f"transfer {key!r} does not own the cell{self._where}: nothing of it to move")
+        source, target = self._member(giver), self._member(taker)
+        share = source.shares[-1] if source.shares else None
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or share is None \
+                or share.length - share.delivered < nbytes:
+            left = 0 if share is None else share.length - share.delivered
+            raise ConfigError(f"cannot move {nbytes!r} bytes of transfer {key!r} from rank {giver}, "
+                              f"which has {left} undelivered at the end of its share")
+        if not target.alive:
+            raise ConfigError(f"cannot move bytes of transfer {key!r} to rank {taker}: it was lost")
+        share.length -= nbytes
+        if not target.shares:
+            target.busy_since = self._clock()
+        target.shares.append(_Share(share.offset + share.length, nbytes, relayed=taker != self._current.source))
+        if share.length == share.delivered:  # nothing left of it: done (measured when it had any bytes)
+            source.shares.pop()
+            if share.length:
+                self._share_done(source, share.length, share.relayed, self._clock())
 
     def cancel(self, key: Hashable) -> list[Action]:
         """Drop transfer ``key`` (its source gave up on it): out of its queue, or, when it owns the
@@ -358,21 +387,21 @@ class CellScheduler:
             actions.append(SendShare(transfer.key, rank, offset, length))
         return actions
 
-    def _share_done(self, member: _Member, now: float) -> None:
-        share = member.shares.popleft()
+    def _share_done(self, member: _Member, length: int, relayed: bool, now: float) -> None:
+        """``length`` bytes of ``member``'s shares (all its own or all relayed) were delivered by ``now``."""
         elapsed = now - member.busy_since
         if elapsed > 0:
-            if not share.relayed:
+            if not relayed:
                 first = "rate" not in member.measured
-                self._measure(member, "rate", "rate", share.length / elapsed)
+                self._measure(member, "rate", "rate", length / elapsed)
                 if first and member.relayed_first is not None:  # the lag of that earlier relayed share
                     length, seconds = member.relayed_first
                     self._measure(member, "lag", "lag", max(0.0, seconds - length / member.rate))
             elif "rate" in member.measured:
-                self._measure(member, "lag", "lag", max(0.0, elapsed - share.length / member.rate))
+                self._measure(member, "lag", "lag", max(0.0, elapsed - length / member.rate))
             else:  # relayed before any share of its own: it measures the rate for now, the lag taken as 0
-                self._measure(member, "relayed rate", "rate", share.length / elapsed)
-                member.relayed_first = member.relayed_first or (share.length, elapsed)
+                self._measure(member, "relayed rate", "rate", length / elapsed)
+                member.relayed_first = member.relayed_first or (length, elapsed)
         member.busy_since = now
 
     def _measure(self, member: _Member, what: str, field: str, sample: float) -> None:

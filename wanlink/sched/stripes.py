@@ -11,12 +11,17 @@ are paired with B's members in LocalDPRank order, D first, so the source's share
 D and each of B's members receives at most its share of the cell's ingress (round-robin when A
 has more members than B).
 
-Every hop moves a share as consecutive pieces of ``piece_bytes`` (:func:`pieces`), so a relay
-holds a few pieces at a time, never a whole share.
+The source deals the pieces (:class:`Dealer`): each route pulls its next piece as it drains, its
+own share's first; a route whose share is all dealt takes the last undealt piece of the route with
+the most left, so the routes end together even where the rates the split was made with were off.
+Every piece travels with a header saying where it belongs (:func:`piece_header`), so relays and the
+destination need no byte ranges in advance, and a relay holds a few pieces at a time, never a
+whole share.
 """
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Sequence
 
 from wanlink.errors import ConfigError
@@ -24,6 +29,11 @@ from wanlink.sched.sites import SiteMap
 
 MAX_ROUTES = 255
 """Most shares one striped transfer is split into (cells larger than this are not striped)."""
+_HEADER = struct.Struct("<qq")
+HEADER_BYTES = _HEADER.size
+"""Bytes of the header that goes ahead of every piece on a route: its offset and length."""
+TAIL_SHRINK = 2
+"""A transfer's last pieces are down to 1/TAIL_SHRINK of the piece size (:class:`Dealer`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,8 +90,65 @@ def routes(sites: SiteMap, source: int, destination: int, shares: Sequence[tuple
     return result
 
 
-def pieces(length: int, piece_bytes: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of the consecutive pieces of a share of ``length`` bytes."""
-    if piece_bytes < 1:
-        raise ConfigError(f"piece size must be >= 1 byte, got {piece_bytes}")
-    return [(offset, min(piece_bytes, length - offset)) for offset in range(0, length, piece_bytes)]
+def piece_header(offset: int, length: int) -> bytes:
+    """The header ahead of a piece of ``length`` bytes at ``offset``; length 0: the route's end."""
+    return _HEADER.pack(offset, length)
+
+
+def read_piece_header(header, nbytes: int, what: str) -> tuple[int, int]:
+    """``(offset, length)`` of a piece header; length 0 ends the route. A piece outside a transfer of
+    ``nbytes`` bytes is refused (ConfigError naming ``what``)."""
+    offset, length = _HEADER.unpack(header)
+    if length < 0 or (length and (offset < 0 or offset + length > nbytes)):
+        raise ConfigError(f"{what}: a piece of {length} bytes at offset {offset} does not fit the "
+                          f"{nbytes}-byte transfer")
+    return offset, length
+
+
+class Dealer:
+    """Deals the pieces of one striped transfer to its routes, each piece when its route asks.
+
+    ``shares`` are the scheduler's ``(carrier, offset, length)``. A route asks for its next piece
+    when it has room (:meth:`next`): it gets the next piece of its own share, and once that is all
+    dealt, the last undealt piece of the route with the most undealt bytes (work stealing: a route
+    that was given too much for its real rate is relieved at its end). Each such move is kept in
+    :attr:`moves` as ``(from_carrier, to_carrier, nbytes)`` for the cell's scheduler. A route holds
+    at most ``depth`` pieces dealt and not yet sent on; pieces are ``piece_bytes`` until the
+    transfer's undealt bytes fall below ``depth`` pieces per route, then they shrink with them,
+    down to ``piece_bytes // TAIL_SHRINK``, so what the routes hold when everything is dealt ends
+    about together.
+    """
+
+    def __init__(self, shares: Sequence[tuple[int, int, int]], piece_bytes: int, depth: int = 2):
+        if piece_bytes < 1 or depth < 1:
+            raise ConfigError(f"piece size and depth must be >= 1, got {piece_bytes} bytes and {depth}")
+        self.piece_bytes, self.depth = piece_bytes, depth
+        self._smallest = max(1, piece_bytes // TAIL_SHRINK)
+        self._undealt = {carrier: [offset, offset + length] for carrier, offset, length in shares}
+        self.dealt = {carrier: 0 for carrier in self._undealt}
+        self.moves: list[tuple[int, int, int]] = []
+
+    def left(self, carrier: int) -> int:
+        """Bytes of ``carrier``'s share not dealt yet."""
+        start, end = self._undealt[carrier]
+        return end - start
+
+    def next(self, carrier: int) -> tuple[int, int] | None:
+        """``(offset, length)`` of the next piece for ``carrier``'s route; None when nothing is left."""
+        undealt = sum(map(self.left, self._undealt))
+        piece = min(self.piece_bytes, max(self._smallest, undealt // (self.depth * len(self._undealt))))
+        span = self._undealt[carrier]
+        if span[0] < span[1]:
+            offset, length = span[0], min(piece, span[1] - span[0])
+            span[0] += length
+        else:
+            victim = max(self._undealt, key=self.left)
+            if not self.left(victim):
+                return None
+            span = self._undealt[victim]
+            length = min(piece, span[1] - span[0])
+            span[1] -= length
+            offset = span[1]
+            self.moves.append((victim, carrier, length))
+        self.dealt[carrier] += length
+        return offset, length
