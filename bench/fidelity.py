@@ -314,7 +314,16 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
     except Exception as error:  # noqa: BLE001 - e.g. diverged to NaN: a failed cell, not a crash of the matrix
         return {**job, "failed": f"{type(error).__name__}: {error}", "curve": curve, "trace": trace}
     return {**job, "final": curve[-1]["metric"], "curve": curve, "trace": trace,
-            "seconds": time.perf_counter() - start, "bytes_sent": state.bytes_sent if state else None}
+            "seconds": time.perf_counter() - start, "bytes_sent": state.bytes_sent if state else None,
+            "guard": _guard_verdict(state)}
+
+
+def _guard_verdict(state) -> dict | None:
+    """The sparse state's fidelity guard verdict (rank 0's): when it judged, the gradient ratio, whether it warned."""
+    import dataclasses
+
+    verdict = state.fidelity_guard.verdict if state is not None and state.fidelity_guard else None
+    return dataclasses.asdict(verdict) if verdict else None
 
 
 def _worker(rank: int, world: int, init_file: str, jobs: list[dict], results) -> None:
@@ -402,8 +411,13 @@ def summarise(runs: list[dict]) -> list[dict]:
             within = worst >= dense_mean - TOLERANCE["accuracy"]
         else:
             within = worst <= dense_mean * (1 + TOLERANCE["loss"])
+        judged = [r["guard"] for r in cell if r.get("guard")]
+        warned = sum(verdict["warned"] for verdict in judged)
+        verdict = "ok" if within and not failed else "warned" if judged and warned == len(cell) else "MISSED"
         rows.append({**row, "metric": shape.metric, "mean": statistics.fmean(finals), "worst": worst,
-                     "dense_mean": dense_mean, "verdict": "ok" if within and not failed else "MISSED",
+                     "dense_mean": dense_mean, "verdict": verdict,
+                     "warned": f"{warned}/{len(cell)}" if judged else "-",
+                     "guard_ratio": [round(v["ratio"], 3) for v in judged],
                      **({"message": failed[0]} if failed else {})})
     return rows
 
@@ -503,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table([r for r in rows if r["verdict"] != "refused"],
                 [("shape", "shape", ""), ("optimizer", "optimizer", ""), ("mode", "mode", ""), ("seeds", "seeds", "d"),
                  ("mean", "mean", ".2f"), ("worst", "worst", ".3f"), ("dense_mean", "dense mean", ".3f"),
-                 ("verdict", "within target", "")])
+                 ("warned", "guard warned", ""), ("verdict", "within target", "")])
     for row in rows:
         if row["verdict"] == "refused":
             print(f"refused: {row['shape']} / {row['optimizer']} / {row['mode']}: {row['message']}")
@@ -513,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                               "warmup_steps": WARMUP_STEPS, "shapes": {name: vars(SHAPES[name]) for name in shapes},
                               "parts": parts, "rows": rows, "runs": runs})
     plot(runs, shapes, run, args.name)
-    return 0 if all(r["verdict"] in ("ok", "refused") for r in rows) else 1
+    return 0 if all(r["verdict"] in ("ok", "refused", "warned") for r in rows) else 1
 
 
 if __name__ == "__main__":
