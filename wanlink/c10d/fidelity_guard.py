@@ -12,14 +12,14 @@ blocks carry, the steps of update waiting in the residual, how much of a step's 
 1 % blocks hold) were measured on the three shapes and do not tell them apart; the trend of the
 gradient's size does (measured in docs/sparse.md: 1-2 % of its largest by step 500 on the digits
 shapes, 55-75 % on the LM). So the guard watches that, on this rank's own gradient as the hook
-sees it: a strided sample of each bucket (``SAMPLE_STRIDE``), summed per step, averaged over
+sees it: a strided sample of each bucket (``sample_stride``), summed per step, averaged over
 ``window``-step windows. Once ``max(min_steps, block_waits / density)`` sparse steps have run, it
 compares the latest window with the largest so far; a ratio of at least ``threshold`` (the
 gradient norm still that share of its peak) gives one ``SparseFidelityWarning`` saying what to use
 instead. Only below ``applies_below`` (10 %, ``density="auto"``'s default ceiling, where the LM was
 within the target). It judges once and then costs nothing.
 
-Pure (no torch, no clock): ``FidelityGuard.observe`` is fed by ``block_sparse_hook``.
+Pure (no torch, no clock): ``FidelityGuard.add`` and ``end_step`` are fed by ``block_sparse_hook``.
 """
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 from wanlink.errors import ConfigError
 
-SAMPLE_STRIDE = 7  # every 7th element of a bucket: the trend of the norm, at a seventh of a norm's cost
+SAMPLE_STRIDE = 7  # every 7th element of a bucket (at least): the trend of the norm, at a seventh of a norm's cost
+SAMPLE_ELEMENTS = 65536  # ... and about this many at most: a 25 MB DDP bucket (6.5M floats) costs ~0.2 ms
+
+
+def sample_stride(numel: int) -> int:
+    """The stride of the guard's sample of a bucket of ``numel`` elements."""
+    return max(SAMPLE_STRIDE, numel // SAMPLE_ELEMENTS)
 
 
 @dataclass(frozen=True)

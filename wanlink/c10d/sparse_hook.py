@@ -45,7 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from wanlink.c10d.auto_density import PROPOSAL_BYTES, AutoDensity, LinkDeliveryRate, group_links
 from wanlink.c10d.deadlines import deadline_scope
-from wanlink.c10d.fidelity_guard import SAMPLE_STRIDE, FidelityGuard
+from wanlink.c10d.fidelity_guard import FidelityGuard, sample_stride
 from wanlink.compress import BlockSparsifier, BucketSparsifier, decode_blocks, encode_blocks, encoded_size
 from wanlink.errors import ConfigError, SparseFidelityWarning, UnsupportedError
 
@@ -368,7 +368,7 @@ class BlockSparseState:
     def watch_gradient(self, iteration: int, buffer: torch.Tensor, last: bool) -> None:
         """The fidelity guard's sample of this bucket's gradient; at the step's last bucket, its verdict."""
         guard = self.fidelity_guard
-        guard.add(iteration, float(torch.linalg.vector_norm(buffer[::SAMPLE_STRIDE])) ** 2)
+        guard.add(iteration, float(torch.linalg.vector_norm(buffer[::sample_stride(buffer.numel())])) ** 2)
         if last:
             verdict = guard.end_step(self.density, iteration + 1 - self.warmup_steps)
             if verdict is not None and verdict.warned:
