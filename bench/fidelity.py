@@ -299,6 +299,9 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
             loss.backward()
             last = iteration == steps - 1
             step()
+            if job.get("judge_only") and state is not None and state.fidelity_guard and state.fidelity_guard.done:
+                return {**job, "judged_at": iteration + 1, "guard": _guard_verdict(state),
+                        "seconds": time.perf_counter() - start}
             if last and state is not None and state.flush():
                 step()
             if scheduler is not None:
@@ -401,6 +404,14 @@ def summarise(runs: list[dict]) -> list[dict]:
         if refused:
             rows.append({**row, "verdict": "refused", "message": refused[0]})
             continue
+        judged = [r["guard"] for r in cell if r.get("guard")]
+        warned = sum(verdict["warned"] for verdict in judged)
+        guard = {"warned": f"{warned}/{len(cell)}" if judged else "-",
+                 "guard_ratio": [round(v["ratio"], 3) for v in judged]}
+        if all("judged_at" in r for r in cell):  # --judge-only: the guard's verdicts, no final metric
+            rows.append({**row, **guard, "mean": math.nan, "worst": math.nan, "dense_mean": math.nan,
+                         "verdict": "warned" if warned == len(cell) else "not warned"})
+            continue
         finals = [r.get("final", math.nan) for r in cell]  # a failed seed (NaN) is the worst
         baseline = [r["final"] for r in runs if r["shape"] == shape_name and r["mode"] == "dense"
                     and r["optimizer"] == _baseline(optimizer) and "final" in r]
@@ -411,14 +422,9 @@ def summarise(runs: list[dict]) -> list[dict]:
             within = worst >= dense_mean - TOLERANCE["accuracy"]
         else:
             within = worst <= dense_mean * (1 + TOLERANCE["loss"])
-        judged = [r["guard"] for r in cell if r.get("guard")]
-        warned = sum(verdict["warned"] for verdict in judged)
         verdict = "ok" if within and not failed else "warned" if judged and warned == len(cell) else "MISSED"
-        rows.append({**row, "metric": shape.metric, "mean": statistics.fmean(finals), "worst": worst,
-                     "dense_mean": dense_mean, "verdict": verdict,
-                     "warned": f"{warned}/{len(cell)}" if judged else "-",
-                     "guard_ratio": [round(v["ratio"], 3) for v in judged],
-                     **({"message": failed[0]} if failed else {})})
+        rows.append({**row, **guard, "metric": shape.metric, "mean": statistics.fmean(finals), "worst": worst,
+                     "dense_mean": dense_mean, "verdict": verdict, **({"message": failed[0]} if failed else {})})
     return rows
 
 
@@ -489,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="training steps of every job (default: each shape's own)")
     parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
                         help="learning-rate schedule of every arm (cosine: linear warm-up, cosine decay to zero)")
+    parser.add_argument("--judge-only", action="store_true",
+                        help="stop each sparse run once its fidelity guard has judged; record the verdict, no metric")
     parser.add_argument("--density", type=float, default=DENSITY, help="density of the sparse cells")
     parser.add_argument("--name", default="fidelity", help="file name of the JSON and PNG")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
@@ -505,10 +513,12 @@ def main(argv: list[str] | None = None) -> int:
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))
         jobs = matrix_jobs(args.shapes, seeds, optimizers, args.modes)
         jobs = [{**job, **({"steps": args.steps} if args.steps else {}), "density": args.density,
-                 "schedule": args.schedule} for job in jobs]
+                 "schedule": args.schedule, **({"judge_only": True} if args.judge_only else {})} for job in jobs]
 
         def progress(outcome):
             result = outcome.get("final", outcome.get("refused", outcome.get("failed", ""))[:60])
+            if outcome.get("guard"):
+                result = f"{result} (guard: ratio {outcome['guard']['ratio']:.3f}, warned {outcome['guard']['warned']})"
             print(f"  {outcome['shape']} seed {outcome['seed']} {outcome['mode']} {outcome['optimizer']}: {result}",
                   flush=True)
 
