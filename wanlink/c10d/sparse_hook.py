@@ -31,6 +31,11 @@ optimizer (torch's, or SparseSGD with ``sparse_optimizer=True``). SparseSGD's ow
 deliveries, so a burst keeps being applied for ~1/(1-momentum) deliveries (docs/sparse.md).
 Adam's first moment is momentum too: Adam/AdamW with ``beta1 > 0`` is refused the same way, and
 ``momentum=beta1`` here with ``betas=(0.0, beta2)`` is what to use.
+
+Fidelity guard (``fidelity_guard=True``, wanlink/c10d/fidelity_guard.py): below 10 % density the hook
+watches the size of this rank's gradient and warns once (SparseFidelityWarning) when, after
+``max(500, 5 / density)`` sparse steps, it is still a quarter or more of its largest: a model
+still learning, which pays error feedback's delay to the end (docs/sparse.md, "Fidelity").
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
