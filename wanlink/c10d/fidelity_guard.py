@@ -50,7 +50,7 @@ class Verdict:
 
 class FidelityGuard:
     def __init__(self, *, window: int = 50, min_steps: int = 500, block_waits: float = 5.0,
-                 threshold: float = 0.4, applies_below: float = 0.1):
+                 threshold: float = 0.2, applies_below: float = 0.1):
         if not isinstance(window, int) or window < 1:
             raise ConfigError(f"window must be an int >= 1, got {window!r}")
         if not isinstance(min_steps, int) or min_steps < 0:

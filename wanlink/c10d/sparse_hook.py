@@ -34,7 +34,7 @@ Adam's first moment is momentum too: Adam/AdamW with ``beta1 > 0`` is refused th
 
 Fidelity guard (``fidelity_guard=True``, wanlink/c10d/fidelity_guard.py): below 10 % density the hook
 watches the size of this rank's gradient and warns once (SparseFidelityWarning) when, after
-``max(500, 5 / density)`` sparse steps, it is still 40 % or more of its largest: a model
+``max(500, 5 / density)`` sparse steps, it is still 20 % or more of its largest: a model
 still learning, which pays error feedback's delay to the end (docs/sparse.md, "Fidelity").
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
