@@ -408,13 +408,16 @@ def summarise(runs: list[dict]) -> list[dict]:
         warned = sum(verdict["warned"] for verdict in judged)
         guard = {"warned": f"{warned}/{len(cell)}" if judged else "-",
                  "guard_ratio": [round(v["ratio"], 3) for v in judged]}
-        if all("judged_at" in r for r in cell):  # --judge-only: the guard's verdicts, no final metric
-            rows.append({**row, **guard, "mean": math.nan, "worst": math.nan, "dense_mean": math.nan,
-                         "verdict": "warned" if warned == len(cell) else "not warned"})
-            continue
-        finals = [r.get("final", math.nan) for r in cell]  # a failed seed (NaN) is the worst
+        measured = [r for r in cell if "judged_at" not in r]  # --judge-only runs have the guard's verdict alone
+        finals = [r.get("final", math.nan) for r in measured]  # a failed seed (NaN) is the worst
         baseline = [r["final"] for r in runs if r["shape"] == shape_name and r["mode"] == "dense"
                     and r["optimizer"] == _baseline(optimizer) and "final" in r]
+        if not measured or not baseline:  # nothing to judge against dense: the guard's verdicts
+            rows.append({**row, **guard, "mean": statistics.fmean(finals) if finals else math.nan,
+                         "worst": (max if shape.metric == "loss" else min)(finals, default=math.nan),
+                         "dense_mean": math.nan,
+                         "verdict": "warned" if judged and warned == len(cell) else "not warned"})
+            continue
         dense_mean = statistics.fmean(baseline) if baseline else math.nan
         failed = [r["failed"] for r in cell if "failed" in r]
         worst = math.nan if failed else min(finals) if shape.metric == "accuracy" else max(finals)
