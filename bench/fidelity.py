@@ -539,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     run.save_json(args.name, {"density": args.density, "momentum": MOMENTUM, "adam_betas": ADAM_BETAS,
                               "warmup_steps": WARMUP_STEPS, "shapes": {name: vars(SHAPES[name]) for name in shapes},
                               "parts": parts, "rows": rows, "runs": runs})
-    plot(runs, shapes, run, args.name)
+    if any(r.get("curve") for r in runs):  # --judge-only runs have no curves
+        plot(runs, shapes, run, args.name)
     return 0 if all(r["verdict"] in ("ok", "refused", "warned") for r in rows) else 1
 
 
