@@ -10,8 +10,8 @@ from fitting its data, its loss falling for thousands of steps) pays the delay a
 The per-bucket statistics of the sparsifier (the share of ``|residual + gradient|^2`` the kept
 blocks carry, the steps of update waiting in the residual, how much of a step's gradient its top
 1 % blocks hold) were measured on the three shapes and do not tell them apart; the trend of the
-gradient's size does (measured in docs/sparse.md: 1-2 % of its largest by step 500 on the digits
-shapes, 55-75 % on the LM). So the guard watches that, on this rank's own gradient as the hook
+gradient's size does (docs/sparse.md, at step 550 of the matrix runs: 1-11 % of its largest on the
+digits cells, 25-92 % on the LM's). So the guard watches that, on this rank's own gradient as the hook
 sees it: a strided sample of each bucket (``sample_stride``), summed per step, averaged over
 ``window``-step windows. Once ``max(min_steps, block_waits / density)`` sparse steps have run, it
 compares the latest window with the largest so far; a ratio of at least ``threshold`` (the
