@@ -9,7 +9,9 @@ refused, and that cell records the message), torch AdamW (beta1 likewise moves i
 ``AdamW(betas=(0, 0.999))``; AdamW's own beta1 is refused), and wanlink's SparseSGD
 (``sparse_optimizer=True``) with its own momentum ("sparse-sgd") or the hook's ("sparse-sgd-hook").
 Prints mean and worst final accuracy (or held-out loss) per cell and whether the worst seed is
-within 1 point (2 % relative loss) of dense's mean; writes fidelity.{json,png} to --out
+within 1 point (2 % relative loss) of dense's mean, and how many seeds' fidelity guard warned
+(wanlink/c10d/fidelity_guard.py; a missed cell whose seeds all warned is "warned"; ``--judge-only``
+stops each run once its guard has judged and records only the verdict); writes fidelity.{json,png} to --out
 (bench/results/ with --publish). Runs are deterministic per seed, so the matrix can be measured in
 parts (--shapes/--optimizers/--modes, --name) and merged (--merge A.json B.json ...).
 
