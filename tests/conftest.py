@@ -18,7 +18,8 @@ except ImportError:  # pragma: no cover - uvloop is a Linux dependency
     uvloop = None
 
 NEEDS_TORCH = ["c10d", "kernels", "test_docs.py", "test_examples.py", "test_packaging.py",
-               "bench/test_chaos.py", "bench/test_fidelity_schedule.py"]
+               "bench/test_chaos.py", "bench/test_fidelity_schedule.py",
+               "bench/test_fidelity_summary.py"]
 collect_ignore = NEEDS_TORCH if importlib.util.find_spec("torch") is None else []
 
 _unhandled_loop_errors: list[dict] = []
