@@ -9,7 +9,9 @@ refused, and that cell records the message), torch AdamW (beta1 likewise moves i
 ``AdamW(betas=(0, 0.999))``; AdamW's own beta1 is refused), and wanlink's SparseSGD
 (``sparse_optimizer=True``) with its own momentum ("sparse-sgd") or the hook's ("sparse-sgd-hook").
 Prints mean and worst final accuracy (or held-out loss) per cell and whether the worst seed is
-within 1 point (2 % relative loss) of dense's mean; writes fidelity.{json,png} to --out
+within 1 point (2 % relative loss) of dense's mean, and how many seeds' fidelity guard warned
+(wanlink/c10d/fidelity_guard.py; a missed cell whose seeds all warned is "warned"; ``--judge-only``
+stops each run once its guard has judged and records only the verdict); writes fidelity.{json,png} to --out
 (bench/results/ with --publish). Runs are deterministic per seed, so the matrix can be measured in
 parts (--shapes/--optimizers/--modes, --name) and merged (--merge A.json B.json ...).
 
@@ -299,6 +301,9 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
             loss.backward()
             last = iteration == steps - 1
             step()
+            if job.get("judge_only") and state is not None and state.fidelity_guard and state.fidelity_guard.done:
+                return {**job, "judged_at": iteration + 1, "guard": _guard_verdict(state),
+                        "seconds": time.perf_counter() - start}
             if last and state is not None and state.flush():
                 step()
             if scheduler is not None:
@@ -314,7 +319,16 @@ def run_job(job: dict, rank: int, world: int, group) -> dict:
     except Exception as error:  # noqa: BLE001 - e.g. diverged to NaN: a failed cell, not a crash of the matrix
         return {**job, "failed": f"{type(error).__name__}: {error}", "curve": curve, "trace": trace}
     return {**job, "final": curve[-1]["metric"], "curve": curve, "trace": trace,
-            "seconds": time.perf_counter() - start, "bytes_sent": state.bytes_sent if state else None}
+            "seconds": time.perf_counter() - start, "bytes_sent": state.bytes_sent if state else None,
+            "guard": _guard_verdict(state)}
+
+
+def _guard_verdict(state) -> dict | None:
+    """The sparse state's fidelity guard verdict (rank 0's): when it judged, the gradient ratio, whether it warned."""
+    import dataclasses
+
+    verdict = state.fidelity_guard.verdict if state is not None and state.fidelity_guard else None
+    return dataclasses.asdict(verdict) if verdict else None
 
 
 def _worker(rank: int, world: int, init_file: str, jobs: list[dict], results) -> None:
@@ -392,9 +406,20 @@ def summarise(runs: list[dict]) -> list[dict]:
         if refused:
             rows.append({**row, "verdict": "refused", "message": refused[0]})
             continue
-        finals = [r.get("final", math.nan) for r in cell]  # a failed seed (NaN) is the worst
+        judged = [r["guard"] for r in cell if r.get("guard")]
+        warned = sum(verdict["warned"] for verdict in judged)
+        guard = {"warned": f"{warned}/{len(cell)}" if judged else "-",
+                 "guard_ratio": [round(v["ratio"], 3) for v in judged]}
+        measured = [r for r in cell if "judged_at" not in r]  # --judge-only runs have the guard's verdict alone
+        finals = [r.get("final", math.nan) for r in measured]  # a failed seed (NaN) is the worst
         baseline = [r["final"] for r in runs if r["shape"] == shape_name and r["mode"] == "dense"
                     and r["optimizer"] == _baseline(optimizer) and "final" in r]
+        if not measured or not baseline:  # nothing to judge against dense: the guard's verdicts
+            rows.append({**row, **guard, "mean": statistics.fmean(finals) if finals else math.nan,
+                         "worst": (max if shape.metric == "loss" else min)(finals, default=math.nan),
+                         "dense_mean": math.nan,
+                         "verdict": "warned" if judged and warned == len(cell) else "not warned"})
+            continue
         dense_mean = statistics.fmean(baseline) if baseline else math.nan
         failed = [r["failed"] for r in cell if "failed" in r]
         worst = math.nan if failed else min(finals) if shape.metric == "accuracy" else max(finals)
@@ -402,9 +427,9 @@ def summarise(runs: list[dict]) -> list[dict]:
             within = worst >= dense_mean - TOLERANCE["accuracy"]
         else:
             within = worst <= dense_mean * (1 + TOLERANCE["loss"])
-        rows.append({**row, "metric": shape.metric, "mean": statistics.fmean(finals), "worst": worst,
-                     "dense_mean": dense_mean, "verdict": "ok" if within and not failed else "MISSED",
-                     **({"message": failed[0]} if failed else {})})
+        verdict = "ok" if within and not failed else "warned" if judged and warned == len(cell) else "MISSED"
+        rows.append({**row, **guard, "metric": shape.metric, "mean": statistics.fmean(finals), "worst": worst,
+                     "dense_mean": dense_mean, "verdict": verdict, **({"message": failed[0]} if failed else {})})
     return rows
 
 
@@ -475,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="training steps of every job (default: each shape's own)")
     parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
                         help="learning-rate schedule of every arm (cosine: linear warm-up, cosine decay to zero)")
+    parser.add_argument("--judge-only", action="store_true",
+                        help="stop each sparse run once its fidelity guard has judged; record the verdict, no metric")
     parser.add_argument("--density", type=float, default=DENSITY, help="density of the sparse cells")
     parser.add_argument("--name", default="fidelity", help="file name of the JSON and PNG")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
@@ -491,10 +518,12 @@ def main(argv: list[str] | None = None) -> int:
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))
         jobs = matrix_jobs(args.shapes, seeds, optimizers, args.modes)
         jobs = [{**job, **({"steps": args.steps} if args.steps else {}), "density": args.density,
-                 "schedule": args.schedule} for job in jobs]
+                 "schedule": args.schedule, **({"judge_only": True} if args.judge_only else {})} for job in jobs]
 
         def progress(outcome):
             result = outcome.get("final", outcome.get("refused", outcome.get("failed", ""))[:60])
+            if outcome.get("guard"):
+                result = f"{result} (guard: ratio {outcome['guard']['ratio']:.3f}, warned {outcome['guard']['warned']})"
             print(f"  {outcome['shape']} seed {outcome['seed']} {outcome['mode']} {outcome['optimizer']}: {result}",
                   flush=True)
 
@@ -503,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table([r for r in rows if r["verdict"] != "refused"],
                 [("shape", "shape", ""), ("optimizer", "optimizer", ""), ("mode", "mode", ""), ("seeds", "seeds", "d"),
                  ("mean", "mean", ".2f"), ("worst", "worst", ".3f"), ("dense_mean", "dense mean", ".3f"),
-                 ("verdict", "within target", "")])
+                 ("warned", "guard warned", ""), ("verdict", "within target", "")])
     for row in rows:
         if row["verdict"] == "refused":
             print(f"refused: {row['shape']} / {row['optimizer']} / {row['mode']}: {row['message']}")
@@ -512,8 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     run.save_json(args.name, {"density": args.density, "momentum": MOMENTUM, "adam_betas": ADAM_BETAS,
                               "warmup_steps": WARMUP_STEPS, "shapes": {name: vars(SHAPES[name]) for name in shapes},
                               "parts": parts, "rows": rows, "runs": runs})
-    plot(runs, shapes, run, args.name)
-    return 0 if all(r["verdict"] in ("ok", "refused") for r in rows) else 1
+    if any(r.get("curve") for r in runs):  # --judge-only runs have no curves
+        plot(runs, shapes, run, args.name)
+    return 0 if all(r["verdict"] in ("ok", "refused", "warned") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -72,3 +72,7 @@ class NonFiniteGradientError(WanlinkError, ValueError):
 
 class DesyncError(WanlinkError, RuntimeError):
     """Ranks issued different collectives (op, dtype or size) at the same sequence number."""
+
+
+class SparseFidelityWarning(UserWarning):
+    """Block-sparse training at this density is expected to fall short of dense training (docs/sparse.md)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-IN_PROCESS = {"test_c10d_algorithms.py", "test_c10d_gc.py"}
+IN_PROCESS = {"test_c10d_algorithms.py", "test_c10d_gc.py", "test_fidelity_guard.py"}
 
 
 def pytest_collection_modifyitems(items):

@@ -31,6 +31,11 @@ optimizer (torch's, or SparseSGD with ``sparse_optimizer=True``). SparseSGD's ow
 deliveries, so a burst keeps being applied for ~1/(1-momentum) deliveries (docs/sparse.md).
 Adam's first moment is momentum too: Adam/AdamW with ``beta1 > 0`` is refused the same way, and
 ``momentum=beta1`` here with ``betas=(0.0, beta2)`` is what to use.
+
+Fidelity guard (``fidelity_guard=True``, wanlink/c10d/fidelity_guard.py): below 10 % density the hook
+watches the size of this rank's gradient and warns once (SparseFidelityWarning) when, after
+``max(500, 5 / density)`` sparse steps, it is still 20 % or more of its largest: a model
+still learning, which pays error feedback's delay to the end (docs/sparse.md, "Fidelity").
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
@@ -45,8 +50,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from wanlink.c10d.auto_density import PROPOSAL_BYTES, AutoDensity, LinkDeliveryRate, group_links
 from wanlink.c10d.deadlines import deadline_scope
+from wanlink.c10d.fidelity_guard import FidelityGuard, sample_stride
 from wanlink.compress import BlockSparsifier, BucketSparsifier, decode_blocks, encode_blocks, encoded_size
-from wanlink.errors import ConfigError, UnsupportedError
+from wanlink.errors import ConfigError, SparseFidelityWarning, UnsupportedError
 
 BLOCK = 16
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
@@ -232,11 +238,14 @@ class BlockSparseState:
 
     def __init__(self, process_group=None, *, density: float | str = 0.01, warmup_steps: int = 0, staleness: int = 0,
                  sparse_optimizer: bool = False, momentum: float = 0.0, min_density: float = 0.001,
-                 max_density: float = 0.1, bandwidth=None, controller_options: dict | None = None):
+                 max_density: float = 0.1, bandwidth=None, controller_options: dict | None = None,
+                 fidelity_guard: bool | FidelityGuard = True):
         """``density="auto"``: chosen per step within [min_density, max_density] (see
         wanlink/c10d/auto_density.py); ``bandwidth`` (a callable of the time returning bytes/s, or
         None for no sample) replaces the links' measured delivery rate, ``controller_options`` go
-        to ``wanlink.sched.density.DensityController``."""
+        to ``wanlink.sched.density.DensityController``. ``fidelity_guard``: warn once when, below
+        10 % density, the gradient is still large after some hundred sparse steps (a model still
+        learning: wanlink/c10d/fidelity_guard.py); False turns it off, a FidelityGuard replaces it."""
         self.auto = None
         if density == "auto":
             link_rate = None if bandwidth else LinkDeliveryRate(lambda: group_links(self.process_group))
@@ -277,6 +286,9 @@ class BlockSparseState:
         self._checked = weakref.WeakSet()  # optimizers found compatible
         # tracing, off unless set to a list: (iteration, bucket index, time.perf_counter()) as each exchange completes
         self.exchange_log: list | None = None
+        if not isinstance(fidelity_guard, (bool, FidelityGuard)):
+            raise ConfigError(f"fidelity_guard must be True, False or a FidelityGuard, got {fidelity_guard!r}")
+        self.fidelity_guard = (FidelityGuard() if fidelity_guard is True else fidelity_guard) or None
         _watch(self)
 
     # -- used by the hook ------------------------------------------------------------------------
@@ -357,6 +369,15 @@ class BlockSparseState:
 
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)
+
+    def watch_gradient(self, iteration: int, buffer: torch.Tensor, last: bool) -> None:
+        """The fidelity guard's sample of this bucket's gradient; at the step's last bucket, its verdict."""
+        guard = self.fidelity_guard
+        guard.add(iteration, float(torch.linalg.vector_norm(buffer[::sample_stride(buffer.numel())])) ** 2)
+        if last:
+            verdict = guard.end_step(self.density, iteration + 1 - self.warmup_steps)
+            if verdict is not None and verdict.warned:
+                warnings.warn(verdict.message, SparseFidelityWarning, stacklevel=2)
 
     def record_sparse(self, step: int, params: list, results: list) -> None:
         """Called as an exchange finishes (completion thread): its averaged blocks per parameter."""
@@ -496,6 +517,8 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     params = list(bucket.parameters())
     state._param_ids.update(map(id, params))
     dense = iteration < state.warmup_steps
+    if state.fidelity_guard is not None and not state.fidelity_guard.done:
+        state.watch_gradient(iteration, buffer, bucket.is_last())
     velocity = state.velocities_for(index, params, buffer, write_back=dense) if state.momentum else None
     if dense:
         state.apply_step(None)
