@@ -929,6 +929,8 @@ async def test_a_held_grant_and_the_next_chunk_leave_in_one_sendmsg(monkeypatch)
     pair = await open_pair(1)
     try:
         link = pair.client
+        # frames the link queued while opening (Python 3.12 leaves one) are written first
+        await _until(lambda: not any(stream.control for stream in link._streams))
         link.hold_frames()
         _entry, received = link.start_recv(bytearray(5), tag=3)
         sent = link.start_send(b"hello", tag=4, until="written")
