@@ -173,40 +173,34 @@ class LinkComm(Comm):
         if not receives and len(sends) == 1:  # (a broadcast's root of two: nothing to run beside it)
             await self.send(*sends[0])
             return
-        messages = [[peer, None] for peer, tensor, _piece in (*receives, *sends) if tensor.numel()]
-        if not messages:
+        items = [(sending, peer, tensor, piece) for sending, group in ((False, receives), (True, sends))
+                 for peer, tensor, piece in group if tensor.numel()]
+        if not items:
             return
+        messages = [[peer, None] for _sending, peer, _tensor, _piece in items]  # futures filled in as started
         self._exchanges.append(messages)  # (waiting_for names their peers until their futures are done)
         posted: list[tuple] = []  # (link, entry) of each receive posted
-        futures: list[asyncio.Future] = []
         held: list = []  # links whose frames wait for the chunks queued here
         try:
-            index = 0
-            for sending, items in ((False, receives), (True, sends)):
-                for peer, tensor, piece in items:
-                    if not tensor.numel():
-                        continue
-                    link = self._mesh.cached(self._mesh_ranks[peer]) or await self._link(peer)
-                    if link not in held:
-                        link.hold_frames()
-                        held.append(link)
-                    tag = self._base_tag | piece
-                    if sending:
-                        future = link.start_send(as_buffer(tensor), tag=tag, deadline=self._deadline, until="written")
-                    else:
-                        entry, future = link.start_recv(as_buffer(tensor), tag=tag)
-                        posted.append((link, entry))
-                    messages[index][1] = future
-                    futures.append(future)
-                    index += 1
+            for message, (sending, peer, tensor, piece) in zip(messages, items):
+                link = self._mesh.cached(self._mesh_ranks[peer]) or await self._link(peer)
+                if link not in held:
+                    link.hold_frames()
+                    held.append(link)
+                tag = self._base_tag | piece
+                if sending:
+                    message[1] = link.start_send(as_buffer(tensor), tag=tag, deadline=self._deadline, until="written")
+                else:
+                    entry, message[1] = link.start_recv(as_buffer(tensor), tag=tag)
+                    posted.append((link, entry))
             _release(held)
-            await _all_done(futures, len({peer for peer, _future in messages}) > 1)
+            await _all_done([future for _peer, future in messages], len({peer for peer, _future in messages}) > 1)
         except BaseException:
             _release(held)
             for link, entry in posted:
                 link.cancel_recv(entry)
-            for future in futures:  # (failures after the first: not logged as never retrieved)
-                if future.done() and not future.cancelled():
+            for _peer, future in messages:  # (failures after the first: not logged as never retrieved)
+                if future is not None and future.done() and not future.cancelled():
                     future.exception()
             raise
         finally:

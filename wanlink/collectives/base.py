@@ -118,9 +118,7 @@ async def gather_all(awaitables: Sequence[Awaitable]) -> None:
         return
     except BaseException:
         failed, culprit[0] = culprit[0], False
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel(tasks)
         if failed is None:
             raise
     caller.uncancel()  # the cancel was ours, to stop the one running inline: report the failure
