@@ -52,7 +52,9 @@ def test_the_judging_step_grows_as_the_density_falls_and_high_densities_are_not_
 def test_guard_options_are_validated():
     from wanlink.c10d.sparse_hook import BlockSparseState
 
-    for bad in ({"window": 0}, {"min_steps": -1}, {"threshold": 0.0}, {"threshold": 1.5}):
+    for bad in ({"window": 0}, {"min_steps": -1}, {"threshold": 0.0}, {"threshold": 1.5},
+                {"block_waits": -1.0}, {"block_waits": float("nan")}, {"block_waits": "5"},
+                {"applies_below": 0.0}, {"applies_below": 2.0}, {"applies_below": float("nan")}):
         with pytest.raises(ConfigError):
             FidelityGuard(**bad)
     with pytest.raises(ConfigError, match="fidelity_guard"):

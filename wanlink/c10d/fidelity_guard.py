@@ -61,6 +61,10 @@ class FidelityGuard:
             raise ConfigError(f"min_steps must be an int >= 0, got {min_steps!r}")
         if not 0.0 < threshold <= 1.0:
             raise ConfigError(f"threshold must be in (0, 1], got {threshold!r}")
+        if not (isinstance(block_waits, (int, float)) and 0.0 <= block_waits < math.inf):
+            raise ConfigError(f"block_waits must be a finite number >= 0, got {block_waits!r}")
+        if not 0.0 < applies_below <= 1.0:
+            raise ConfigError(f"applies_below must be a density in (0, 1], got {applies_below!r}")
         self.window, self.min_steps, self.block_waits = window, min_steps, float(block_waits)
         self.threshold, self.applies_below = float(threshold), float(applies_below)
         self.verdict: Verdict | None = None
