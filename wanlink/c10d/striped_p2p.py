@@ -8,9 +8,10 @@ link) -> destination (B's local network) as pieces, each with a header saying wh
 the destination receives every piece straight into the posted tensor. The source deals the pieces
 as the routes drain (``wanlink.sched.stripes.Dealer``): a carrier is fed its next piece when it
 reports one written into its WAN link, so it holds at most FEED_DEPTH, and a route that drains its
-share first takes the tail of another's. Two transfers of one cell take turns: the next is granted
-when the source reported every route's last piece written into the kernel (its last bytes still
-in flight there, ahead of the next transfer's on the same link).
+share first takes the tail of another's. Two transfers of one cell take turns, handed over link by
+link: the next is granted when the source has dealt the last piece of the current one, and each
+member's WAN link starts the next transfer's share as soon as it has queued its last piece of the
+current one (``_wan_turn``), so no WAN link carries two transfers at once and none idles between them.
 
 Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
 reads the control messages of all its links on the loop thread and relays what it is asked to.
@@ -124,8 +125,11 @@ class StripedP2P:
         self._fed: dict[tuple[int, int], asyncio.Semaphore] = {}  # (serial, route): a carrier's room
         self._grants: dict[tuple[int, int], asyncio.Future] = {}
         self._granted: set[tuple[int, int]] = set()
+        self._wan_routes: list[asyncio.Future] = []  # routes over this rank's WAN link, in turn order: not all queued
         self._tasks: set[asyncio.Task] = set()
         self.finished: list[TransferFinished] = []  # the leader's record of its cell's turns
+        self.wan_turns: list[tuple[int, int, float, float]] = []  # (origin, serial, first piece queued, last
+        # piece queued) of every route this rank sent over its WAN link, in order
         self.relayed_bytes = 0  # of other ranks' transfers, forwarded by this rank
 
     @staticmethod
@@ -216,14 +220,15 @@ class StripedP2P:
         if kind == "request":
             serial, nbytes = fields
             actions = scheduler.submit(peer, nbytes, (peer, serial))
-        elif kind in ("moved", "done"):  # from the source: pieces dealt to another route, a route's end
-            serial, rank, *rest = fields
-            if scheduler.owner != (peer, serial):  # a cancelled transfer's late report
+        elif kind in ("moved", "dealt", "done"):  # from the source: pieces dealt to another route, its last
+            serial, *rest = fields                 # piece dealt (the next turn starts), a route's end
+            key = (peer, serial)
+            if not scheduler.active(key):  # a cancelled transfer's late report
                 return
             if kind == "moved":
-                scheduler.move((peer, serial), rank, *rest)
+                scheduler.move(key, *rest)
                 return
-            actions = scheduler.progress(rank, *rest)
+            actions = scheduler.progress(*rest) if kind == "done" else scheduler.dealt(key)
         else:
             origin, serial = fields
             self._granted.discard((origin, serial))
@@ -305,29 +310,67 @@ class StripedP2P:
         finally:
             self._grants.pop((self.rank, serial), None)
 
+    def _wan_turn(self) -> tuple[list[asyncio.Future], asyncio.Future]:
+        """Place a route that starts now in line for this rank's WAN link: the routes ahead of it (wait
+        for them before its first piece goes onto the link) and its own place (set it once its last
+        piece is queued there, which lets the next one start: the link's queue keeps their order)."""
+        ahead, mine = list(self._wan_routes), asyncio.get_running_loop().create_future()
+        self._wan_routes.append(mine)
+        mine.add_done_callback(self._wan_routes.remove)
+        return ahead, mine
+
+    @staticmethod
+    async def _after(ahead: list[asyncio.Future]) -> None:
+        """Wait for the routes ``ahead`` (shielded: a cancelled waiter leaves their places alone)."""
+        for place in ahead:
+            await asyncio.shield(place)
+
+    def _queued(self, mine: asyncio.Future | None, origin: int, serial: int, started: float | None) -> None:
+        """This route's last piece is queued on the WAN link (or it failed): the next route may start."""
+        if mine is not None and not mine.done():
+            mine.set_result(None)
+            if started is not None:
+                self.wan_turns.append((origin, serial, started, time.monotonic()))
+
+    @staticmethod
+    def _abandon(link, tag: int) -> None:
+        """End a route the source gave up on before its end: its carrier stops waiting for pieces
+        (and lets the routes behind it onto its WAN link)."""
+        try:
+            link.start_send(END, tag=tag, until="written").add_done_callback(
+                lambda sent: sent.cancelled() or sent.exception())
+        except PeerLost:
+            pass
+
     async def _feed(self, serial: int, index: int, route: Route, destination: int, dealer: Dealer, data) -> None:
         """Deal route ``index`` its pieces as it drains, each behind its header, then its end.
 
-        The source's own route goes straight to ``destination``, a piece dealt whenever one of the
-        FEED_DEPTH in flight is written into the kernel; a carrier is sent its pieces over the local
-        network, the next whenever it reports one written into its WAN link ("fed"). Bytes moved to
-        this route from another's share, and the route's end (all of it written), go to the leader.
+        The source's own route goes straight to ``destination`` once the routes ahead of it on this
+        rank's WAN link are queued, a piece dealt whenever one of the FEED_DEPTH in flight is written
+        into the kernel; a carrier is sent its pieces over the local network, the next whenever it
+        reports one written into its WAN link ("fed"). Bytes moved to this route from another's share,
+        the last piece dealt, and the route's end (all of it written) are told to the leader.
         """
         carrier, tag = route.carrier, relay_tag(self.slot, self.rank, serial, index)
         room = asyncio.Semaphore(FEED_DEPTH)
         relayed = carrier != self.rank
+        ahead, mine = ([], None) if relayed else self._wan_turn()
         if relayed:
             self._fed[(serial, index)] = room
             self._to(carrier, ["relay", self.rank, serial, index, destination, route.partner])
-        link = await self.mesh.link(carrier if relayed else destination)
-        sends = []
+        sends, link, started, ended = [], None, None, False
         try:
+            link = await self.mesh.link(carrier if relayed else destination)
+            await self._after(ahead)
+            started = time.monotonic()
             while True:
                 await room.acquire()
-                moves = len(dealer.moves)
+                moves, undealt = len(dealer.moves), dealer.undealt()
                 piece = dealer.next(carrier)
                 for giver, taker, nbytes in dealer.moves[moves:]:  # (this call's: it took another's piece)
                     self._to(self.leader, ["moved", serial, giver, taker, nbytes])
+                if undealt and not dealer.undealt():  # this call dealt the last piece: the next turn may start
+                    self._to(self.leader, ["dealt", serial])
                 if piece is None:
                     break
                 offset, length = piece
@@ -336,11 +379,16 @@ class StripedP2P:
                 if not relayed:
                     sends[-1].add_done_callback(lambda _sent: room.release())
             sends.append(asyncio.ensure_future(link.send(END, tag=tag, until="written")))
+            ended = True
+            self._queued(mine, self.rank, serial, started)
             await gather_all(sends)
             for _ in range(FEED_DEPTH - 1):  # every piece written into the WAN link (a carrier: reported)
                 await room.acquire()
         finally:
             self._fed.pop((serial, index), None)
+            self._queued(mine, self.rank, serial, None)
+            if relayed and link is not None and not ended:
+                self._abandon(link, tag)
         self._tell(self.leader, ["done", serial, carrier, dealer.dealt[carrier]])
 
     async def receive(self, source: int, serial: int, buffer: torch.Tensor) -> None:
@@ -382,6 +430,7 @@ class StripedP2P:
         tag = relay_tag(self.slot, origin, serial, index)
         carrying = self.sites.site(self.rank) == self.sites.site(origin)
         what = f"wanlink striped p2p relay at rank {self.rank} of rank {origin}'s transfer {serial}"
+        ahead, mine = self._wan_turn() if carrying else ([], None)  # (a carrier forwards over its WAN link)
         try:
             inbound, outbound = await self.mesh.link(peer), await self.mesh.link(next_hop)
             if next_hop != destination:
@@ -393,12 +442,17 @@ class StripedP2P:
                 header = bytearray(HEADER_BYTES)
                 await inbound.recv_into(header, tag=tag)
                 _offset, length = read_piece_header(header, inbound.limits.max_transfer_size, what)
+                if length:
+                    await window.acquire()
+                    buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
+                    await inbound.recv_into(buffer[:length], tag=tag)
+                if ahead is not None:  # (the first piece waits here, landed, until the routes ahead are queued)
+                    await self._after(ahead)
+                    ahead, started = None, time.monotonic()
                 sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
                 if not length:
+                    self._queued(mine, origin, serial, started)
                     break
-                await window.acquire()
-                buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
-                await inbound.recv_into(buffer[:length], tag=tag)
                 forward = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
 
                 def forwarded(sent, buffer=buffer, length=length) -> None:
@@ -416,3 +470,5 @@ class StripedP2P:
                            "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)
             if carrying:
                 self._tell(self.leader, ["cancel", origin, serial])
+        finally:
+            self._queued(mine, origin, serial, None)

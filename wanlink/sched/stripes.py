@@ -133,10 +133,13 @@ class Dealer:
         start, end = self._undealt[carrier]
         return end - start
 
+    def undealt(self) -> int:
+        """Bytes of the transfer not dealt yet (0: every route's last piece is out)."""
+        return sum(map(self.left, self._undealt))
+
     def next(self, carrier: int) -> tuple[int, int] | None:
         """``(offset, length)`` of the next piece for ``carrier``'s route; None when nothing is left."""
-        undealt = sum(map(self.left, self._undealt))
-        piece = min(self.piece_bytes, max(self._smallest, undealt // (self.depth * len(self._undealt))))
+        piece = min(self.piece_bytes, max(self._smallest, self.undealt() // (self.depth * len(self._undealt))))
         span = self._undealt[carrier]
         if span[0] < span[1]:
             offset, length = span[0], min(piece, span[1] - span[0])
