@@ -85,7 +85,7 @@ def striped_world(rank: int, size: int, sites: list[str]) -> dict:
         result["any"] = (torch.equal(landing, payload(12)), work._source_rank())
     dist.barrier()
     result["turns"] = [(t.started, t.finished) for t in ours.finished]
-    result["wan"] = ours.wan_turns
+    result["wan"] = ours.wan.log
     return result
 
 

@@ -11,7 +11,7 @@ reports one written into its WAN link, so it holds at most FEED_DEPTH, and a rou
 share first takes the tail of another's. Two transfers of one cell take turns, handed over link by
 link: the next is granted when the source has dealt the last piece of the current one, and each
 member's WAN link starts the next transfer's share as soon as it has queued its last piece of the
-current one (``_wan_turn``), so no WAN link carries two transfers at once and none idles between them.
+current one (:class:`WanQueue`), so no WAN link carries two transfers at once and none idles between them.
 
 Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
 reads the control messages of all its links on the loop thread and relays what it is asked to.
@@ -103,6 +103,49 @@ async def recv_any(comm: LinkComm, peers: Sequence[int], buffer: torch.Tensor) -
     return source
 
 
+class WanQueue:
+    """The striped routes one rank sends over its WAN link, one after another in the order they joined
+    (per-link hand-over): a route's first piece goes onto the link only once every route ahead of it
+    has queued its last there, and the link's own queue keeps their bytes in that order. Loop thread only."""
+
+    def __init__(self):
+        self._open: list[asyncio.Future] = []  # a future per route that joined and has not left, in order
+        self.log: list[tuple[int, int, float, float]] = []  # (origin, serial, first piece queued, last piece
+        # queued) of every route that went through, in order
+
+    def join(self, origin: int, serial: int) -> WanPlace:
+        """Place a route of ``origin``'s transfer ``serial`` in line now (before its first piece arrives)."""
+        return WanPlace(self, origin, serial)
+
+
+class WanPlace:
+    """One route's place in a :class:`WanQueue`."""
+
+    def __init__(self, queue: WanQueue, origin: int, serial: int):
+        self._queue, self._key = queue, (origin, serial)
+        self._ahead = list(queue._open)
+        self._left = asyncio.get_running_loop().create_future()
+        queue._open.append(self._left)
+        self._left.add_done_callback(queue._open.remove)
+        self.started: float | None = None
+
+    async def turn(self) -> None:
+        """Return once every route ahead has left (at once after the first time). A cancelled waiter
+        leaves the routes ahead alone (their futures are shielded)."""
+        while self._ahead:
+            await asyncio.shield(self._ahead[0])
+            self._ahead.pop(0)
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def leave(self) -> None:
+        """This route's last piece is queued on the link, or it gave up: the next route may start."""
+        if not self._left.done():
+            self._left.set_result(None)
+            if self.started is not None:
+                self._queue.log.append((*self._key, self.started, time.monotonic()))
+
+
 class StripedP2P:
     """One mesh's striping: relays, the cell leader's scheduler, and both ends of striped transfers.
 
@@ -125,11 +168,9 @@ class StripedP2P:
         self._fed: dict[tuple[int, int], asyncio.Semaphore] = {}  # (serial, route): a carrier's room
         self._grants: dict[tuple[int, int], asyncio.Future] = {}
         self._granted: set[tuple[int, int]] = set()
-        self._wan_routes: list[asyncio.Future] = []  # routes over this rank's WAN link, in turn order: not all queued
+        self.wan = WanQueue()  # the routes this rank sends over its WAN link
         self._tasks: set[asyncio.Task] = set()
         self.finished: list[TransferFinished] = []  # the leader's record of its cell's turns
-        self.wan_turns: list[tuple[int, int, float, float]] = []  # (origin, serial, first piece queued, last
-        # piece queued) of every route this rank sent over its WAN link, in order
         self.relayed_bytes = 0  # of other ranks' transfers, forwarded by this rank
 
     @staticmethod
@@ -310,28 +351,6 @@ class StripedP2P:
         finally:
             self._grants.pop((self.rank, serial), None)
 
-    def _wan_turn(self) -> tuple[list[asyncio.Future], asyncio.Future]:
-        """Place a route that starts now in line for this rank's WAN link: the routes ahead of it (wait
-        for them before its first piece goes onto the link) and its own place (set it once its last
-        piece is queued there, which lets the next one start: the link's queue keeps their order)."""
-        ahead, mine = list(self._wan_routes), asyncio.get_running_loop().create_future()
-        self._wan_routes.append(mine)
-        mine.add_done_callback(self._wan_routes.remove)
-        return ahead, mine
-
-    @staticmethod
-    async def _after(ahead: list[asyncio.Future]) -> None:
-        """Wait for the routes ``ahead`` (shielded: a cancelled waiter leaves their places alone)."""
-        for place in ahead:
-            await asyncio.shield(place)
-
-    def _queued(self, mine: asyncio.Future | None, origin: int, serial: int, started: float | None) -> None:
-        """This route's last piece is queued on the WAN link (or it failed): the next route may start."""
-        if mine is not None and not mine.done():
-            mine.set_result(None)
-            if started is not None:
-                self.wan_turns.append((origin, serial, started, time.monotonic()))
-
     @staticmethod
     def _abandon(link, tag: int) -> None:
         """End a route the source gave up on before its end: its carrier stops waiting for pieces
@@ -354,15 +373,15 @@ class StripedP2P:
         carrier, tag = route.carrier, relay_tag(self.slot, self.rank, serial, index)
         room = asyncio.Semaphore(FEED_DEPTH)
         relayed = carrier != self.rank
-        ahead, mine = ([], None) if relayed else self._wan_turn()
+        place = None if relayed else self.wan.join(self.rank, serial)
         if relayed:
             self._fed[(serial, index)] = room
             self._to(carrier, ["relay", self.rank, serial, index, destination, route.partner])
-        sends, link, started, ended = [], None, None, False
+        sends, link, ended = [], None, False
         try:
             link = await self.mesh.link(carrier if relayed else destination)
-            await self._after(ahead)
-            started = time.monotonic()
+            if place is not None:
+                await place.turn()
             while True:
                 await room.acquire()
                 moves, undealt = len(dealer.moves), dealer.undealt()
@@ -380,13 +399,15 @@ class StripedP2P:
                     sends[-1].add_done_callback(lambda _sent: room.release())
             sends.append(asyncio.ensure_future(link.send(END, tag=tag, until="written")))
             ended = True
-            self._queued(mine, self.rank, serial, started)
+            if place is not None:
+                place.leave()
             await gather_all(sends)
             for _ in range(FEED_DEPTH - 1):  # every piece written into the WAN link (a carrier: reported)
                 await room.acquire()
         finally:
             self._fed.pop((serial, index), None)
-            self._queued(mine, self.rank, serial, None)
+            if place is not None:
+                place.leave()
             if relayed and link is not None and not ended:
                 self._abandon(link, tag)
         self._tell(self.leader, ["done", serial, carrier, dealer.dealt[carrier]])
@@ -430,7 +451,7 @@ class StripedP2P:
         tag = relay_tag(self.slot, origin, serial, index)
         carrying = self.sites.site(self.rank) == self.sites.site(origin)
         what = f"wanlink striped p2p relay at rank {self.rank} of rank {origin}'s transfer {serial}"
-        ahead, mine = self._wan_turn() if carrying else ([], None)  # (a carrier forwards over its WAN link)
+        place = self.wan.join(origin, serial) if carrying else None  # (a carrier forwards over its WAN link)
         try:
             inbound, outbound = await self.mesh.link(peer), await self.mesh.link(next_hop)
             if next_hop != destination:
@@ -446,12 +467,12 @@ class StripedP2P:
                     await window.acquire()
                     buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
                     await inbound.recv_into(buffer[:length], tag=tag)
-                if ahead is not None:  # (the first piece waits here, landed, until the routes ahead are queued)
-                    await self._after(ahead)
-                    ahead, started = None, time.monotonic()
+                if place is not None:  # (the first piece waits here, landed, until the routes ahead are queued)
+                    await place.turn()
                 sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
                 if not length:
-                    self._queued(mine, origin, serial, started)
+                    if place is not None:
+                        place.leave()
                     break
                 forward = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
 
@@ -471,4 +492,5 @@ class StripedP2P:
             if carrying:
                 self._tell(self.leader, ["cancel", origin, serial])
         finally:
-            self._queued(mine, origin, serial, None)
+            if place is not None:
+                place.leave()
