@@ -85,6 +85,7 @@ def striped_world(rank: int, size: int, sites: list[str]) -> dict:
         result["any"] = (torch.equal(landing, payload(12)), work._source_rank())
     dist.barrier()
     result["turns"] = [(t.started, t.finished) for t in ours.finished]
+    result["handed_over"] = ours.handed_over
     result["wan"] = ours.wan.log
     return result
 
@@ -102,9 +103,11 @@ def check_exact(results: list[dict]) -> None:
 
 
 def check_turns(leader: dict, members: list[dict]) -> None:
-    """The leader granted turns; on every member's WAN link the transfers' routes went one after another
-    (each route's pieces queued only once the one ahead had queued its last)."""
+    """The leader granted turns and passed each on when its last piece was dealt; on every member's WAN
+    link the transfers' routes went one after another (each route's pieces queued only once the one
+    ahead had queued its last)."""
     assert leader["turns"], "the cell leader granted no turns: nothing was striped"
+    assert leader["handed_over"] == len(leader["turns"]), leader
     for member in members:
         routes = sorted(member["wan"], key=lambda route: route[2])
         assert routes, "a member sent no striped route over its WAN link"

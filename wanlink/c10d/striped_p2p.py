@@ -171,6 +171,7 @@ class StripedP2P:
         self.wan = WanQueue()  # the routes this rank sends over its WAN link
         self._tasks: set[asyncio.Task] = set()
         self.finished: list[TransferFinished] = []  # the leader's record of its cell's turns
+        self.handed_over = 0  # turns the leader passed on when their last piece was dealt
         self.relayed_bytes = 0  # of other ranks' transfers, forwarded by this rank
 
     @staticmethod
@@ -241,7 +242,7 @@ class StripedP2P:
             future = self._grants.get((self.rank, serial))
             if future is not None and not future.done():
                 future.set_result(shares)
-        elif kind in ("request", "moved", "done", "cancel") and self.scheduler is not None:
+        elif kind in ("request", "moved", "dealt", "done", "cancel") and self.scheduler is not None:
             self._lead(peer, kind, fields)
         else:
             logger.warning("striped p2p: rank %d ignored control message %r from rank %d",
@@ -269,7 +270,11 @@ class StripedP2P:
             if kind == "moved":
                 scheduler.move(key, *rest)
                 return
-            actions = scheduler.progress(*rest) if kind == "done" else scheduler.dealt(key)
+            if kind == "done":
+                actions = scheduler.progress(*rest)
+            else:
+                actions = scheduler.dealt(key)
+                self.handed_over += 1
         else:
             origin, serial = fields
             self._granted.discard((origin, serial))
