@@ -105,7 +105,7 @@ def check_exact(results: list[dict]) -> None:
 def check_turns(leader: dict, members: list[dict]) -> None:
     """The leader granted turns and passed each on when its last piece was dealt; on every member's WAN
     link the transfers' routes went one after another (each route's pieces queued only once the one
-    ahead had queued its last)."""
+    ahead had written its last)."""
     assert leader["turns"], "the cell leader granted no turns: nothing was striped"
     assert leader["handed_over"] == len(leader["turns"]), leader
     for member in members:
