@@ -4,7 +4,7 @@ import pytest
 from wanlink.errors import ConfigError
 from wanlink.sched.sites import SiteMap
 from wanlink.sched.stripes import (
-    FIRST_SHRINK, TAIL_SHRINK, Dealer, Route, piece_header, read_piece_header, routes, striped,
+    FIRST_SHRINK, TAIL_SHRINK, Dealer, InOrder, Route, piece_header, read_piece_header, routes, striped,
 )
 
 MiB = 1 << 20
@@ -92,3 +92,12 @@ def test_piece_headers_round_trip_and_a_piece_outside_the_transfer_is_refused():
     assert read_piece_header(piece_header(0, 0), 12, "x") == (0, 0)
     with pytest.raises(ConfigError, match="recv of 12 bytes: a piece of 4 bytes at offset 9 does not fit"):
         read_piece_header(piece_header(9, 4), 12, "recv of 12 bytes")
+
+
+def test_numbered_reports_are_handed_on_in_order_whatever_order_they_come_in():
+    order = InOrder()
+    assert order.add(1, "dealt") == []  # overtook the move it follows: held
+    assert order.add(0, "moved") == ["moved", "dealt"]
+    assert order.add(3, "done b") == [] and order.add(2, "done a") == ["done a", "done b"]
+    with pytest.raises(ConfigError, match="numbered item 2 came twice"):
+        order.add(2, "again")

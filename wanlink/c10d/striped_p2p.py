@@ -42,7 +42,7 @@ from wanlink.collectives.base import gather_all
 from wanlink.errors import ConfigError, PeerLost
 from wanlink.sched.cells import CellScheduler, SendShare, TransferFailed, TransferFinished
 from wanlink.sched.stripes import (
-    HEADER_BYTES, MAX_ROUTES, Dealer, Route, piece_header, read_piece_header, routes, striped,
+    HEADER_BYTES, MAX_ROUTES, Dealer, InOrder, Route, piece_header, read_piece_header, routes, striped,
 )
 
 logger = logging.getLogger(__name__)
@@ -172,6 +172,7 @@ class StripedP2P:
         self._fed: dict[tuple[int, int], asyncio.Semaphore] = {}  # (serial, route): a carrier's room
         self._grants: dict[tuple[int, int], asyncio.Future] = {}
         self._granted: set[tuple[int, int]] = set()
+        self._reports: dict[tuple[int, int], InOrder] = {}  # the leader's: each granted transfer's reports, in order
         self.wan = WanQueue()  # the routes this rank sends over its WAN link
         self._tasks: set[asyncio.Task] = set()
         self.finished: list[TransferFinished] = []  # the leader's record of its cell's turns
@@ -266,22 +267,26 @@ class StripedP2P:
         if kind == "request":
             serial, nbytes = fields
             actions = scheduler.submit(peer, nbytes, (peer, serial))
-        elif kind in ("moved", "dealt", "done"):  # from the source: pieces dealt to another route, its last
-            serial, *rest = fields                 # piece dealt (the next turn starts), a route's end
+        elif kind in ("moved", "dealt", "done"):  # the source's numbered reports: pieces dealt to another
+            serial, number, *rest = fields          # route, its last piece dealt (the next turn starts), a route's end
             key = (peer, serial)
             if not scheduler.active(key):  # a cancelled transfer's late report
                 return
-            if kind == "moved":
-                scheduler.move(key, *rest)
-                return
-            if kind == "done":
-                actions = scheduler.progress(*rest)
-            else:
-                actions = scheduler.dealt(key)
-                self.handed_over += 1
+            actions = []
+            for report, values in self._reports.setdefault(key, InOrder()).add(number, (kind, rest)):
+                if not scheduler.active(key):
+                    break
+                if report == "moved":
+                    scheduler.move(key, *values)
+                elif report == "done":
+                    actions += scheduler.progress(*values)
+                else:
+                    actions += scheduler.dealt(key)
+                    self.handed_over += 1
         else:
             origin, serial = fields
             self._granted.discard((origin, serial))
+            self._reports.pop((origin, serial), None)
             actions = scheduler.cancel((origin, serial))
         self._carry_out(actions)
 
@@ -292,6 +297,7 @@ class StripedP2P:
                 grants.setdefault(action.key, []).append([action.rank, action.offset, action.length])
             elif isinstance(action, (TransferFinished, TransferFailed)):
                 self._granted.discard(action.key)
+                self._reports.pop(action.key, None)
                 if isinstance(action, TransferFinished):
                     self.finished.append(action)
         for (origin, serial), shares in grants.items():
@@ -350,7 +356,8 @@ class StripedP2P:
             plan = routes(self.sites, self.rank, destination, shares)
             self._to(destination, ["plan", serial, nbytes, [[r.offset, r.length, r.carrier, r.partner] for r in plan]])
             dealer = Dealer([(r.carrier, r.offset, r.length) for r in plan], self.piece_bytes, FEED_DEPTH)
-            jobs = [descriptor] + [self._feed(serial, index, route, destination, dealer, as_buffer(data))
+            reports = itertools.count()  # numbers the reports to the leader (see InOrder)
+            jobs = [descriptor] + [self._feed(serial, index, route, destination, dealer, as_buffer(data), reports)
                                    for index, route in enumerate(plan)]
             await self._watching([r.carrier for r in plan] + [destination], gather_all(jobs), what, "relay")
         except BaseException:
@@ -370,7 +377,8 @@ class StripedP2P:
         except PeerLost:
             pass
 
-    async def _feed(self, serial: int, index: int, route: Route, destination: int, dealer: Dealer, data) -> None:
+    async def _feed(self, serial: int, index: int, route: Route, destination: int, dealer: Dealer, data,
+                    reports: itertools.count) -> None:
         """Deal route ``index`` its pieces as it drains, each behind its header, then its end.
 
         The source's own route goes straight to ``destination`` once the routes ahead of it on this
@@ -396,9 +404,9 @@ class StripedP2P:
                 moves, undealt = len(dealer.moves), dealer.undealt()
                 piece = dealer.next(carrier)
                 for giver, taker, nbytes in dealer.moves[moves:]:  # (this call's: it took another's piece)
-                    self._to(self.leader, ["moved", serial, giver, taker, nbytes])
+                    self._to(self.leader, ["moved", serial, next(reports), giver, taker, nbytes])
                 if undealt and not dealer.undealt():  # this call dealt the last piece: the next turn may start
-                    self._to(self.leader, ["dealt", serial])
+                    self._to(self.leader, ["dealt", serial, next(reports)])
                 if piece is None:
                     break
                 offset, length = piece
@@ -421,7 +429,7 @@ class StripedP2P:
                 place.leave()
             if relayed and link is not None and not ended:
                 self._abandon(link, tag)
-        self._tell(self.leader, ["done", serial, carrier, dealer.dealt[carrier]])
+        self._tell(self.leader, ["done", serial, next(reports), carrier, dealer.dealt[carrier]])
 
     async def receive(self, source: int, serial: int, buffer: torch.Tensor) -> None:
         """Receive striped transfer ``serial`` of ``source`` into ``buffer``."""

@@ -161,3 +161,28 @@ class Dealer:
             self.moves.append((victim, carrier, length))
         self.dealt[carrier] += length
         return offset, length
+
+
+class InOrder:
+    """Hands numbered items on in the order of their numbers (0, 1, 2, ...), holding any that come early.
+
+    The source's reports on a striped transfer to its cell's leader (pieces moved, last piece dealt,
+    a route's end) travel as control messages, which keep their order on each of a link's streams but
+    not across them; applied as they come, a route's end could overtake the move it counts.
+    """
+
+    def __init__(self):
+        self._next = 0
+        self._early: dict[int, object] = {}
+
+    def add(self, number: int, item) -> list:
+        """Item ``number`` came: the items now due, in order (none while an earlier one is missing)."""
+        if number < self._next or number in self._early:
+            raise ConfigError(f"numbered item {number} came twice")
+        self._early[number] = item
+        due = []
+        while self._next in self._early:
+            due.append(self._early.pop(self._next))
+            self._next += 1
+        return due
+
