@@ -10,8 +10,8 @@ as the routes drain (``wanlink.sched.stripes.Dealer``): a carrier is fed its nex
 reports one written into its WAN link, so it holds at most FEED_DEPTH, and a route that drains its
 share first takes the tail of another's. Two transfers of one cell take turns, handed over link by
 link: the next is granted when the source has dealt the last piece of the current one, and each
-member's WAN link starts the next transfer's share as soon as all of the current one's is in its
-kernel buffers (:class:`WanQueue`), so no WAN link carries two transfers at once and none idles between them.
+member's WAN link starts the next transfer's share as soon as it has written its last piece of the
+current one (:class:`WanQueue`), so no WAN link carries two transfers at once and none idles between them.
 
 Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
 reads the control messages of all its links on the loop thread and relays what it is asked to.
@@ -106,16 +106,18 @@ async def recv_any(comm: LinkComm, peers: Sequence[int], buffer: torch.Tensor) -
 class WanQueue:
     """The striped routes one rank sends over its WAN link, one after another in the order they joined
     (per-link hand-over): a route's first piece goes onto the link only once every route ahead of it
-    has its end header written into the kernel, and with it every piece before it (the link's queue is
-    first come, first served), so the link is never without bytes and never carries two transfers'
-    at once. (Traced: started as soon as the route ahead had its end queued, the next one's pieces went
-    out among its last ones, which landed 0.26 s late; waiting until its last piece was acknowledged
-    but for 1 MiB left the link without bytes for about 20 ms at 500 Mbit/s.) Loop thread only."""
+    has its last piece written (``until="written"``: in the kernel, and at most 1 MiB of it not yet
+    acknowledged), so the link carries one transfer at a time and is without bytes for at most about
+    a round trip less 1 MiB's time (none at 250 Mbit/s and 40 ms, about 20 ms at 500). Earlier was
+    traced worse: a link's streams share it, so bytes of the next transfer in the kernel beside the
+    current one's tail slow that tail down; started when the route ahead had its end queued, the
+    first transfer's last piece landed 0.26 s late, and when it had its end in the kernel, about
+    0.1 s late at 500 Mbit/s. Loop thread only."""
 
     def __init__(self):
         self._open: list[asyncio.Future] = []  # a future per route that joined and has not left, in order
-        self.log: list[tuple[int, int, float, float]] = []  # (origin, serial, first piece queued, end written)
-        # of every route that went through, in order
+        self.log: list[tuple[int, int, float, float]] = []  # (origin, serial, first piece queued, last piece
+        # written) of every route that went through, in order
 
     def join(self, origin: int, serial: int) -> WanPlace:
         """Place a route of ``origin``'s transfer ``serial`` in line now (before its first piece arrives)."""
@@ -143,7 +145,7 @@ class WanPlace:
             self.started = time.monotonic()
 
     def leave(self) -> None:
-        """This route's end is written into the kernel, or it gave up: the next route may start."""
+        """This route's last piece is written, or it gave up: the next route may start."""
         if not self._left.done():
             self._left.set_result(None)
             if self.started is not None:
@@ -414,13 +416,11 @@ class StripedP2P:
                 sends.append(asyncio.ensure_future(link.send(data[offset:offset + length], tag=tag, until="written")))
                 if not relayed:
                     sends[-1].add_done_callback(lambda _sent: room.release())
-            end = asyncio.ensure_future(link.send(END, tag=tag, until="written"))
-            sends.append(end)
+            sends.append(asyncio.ensure_future(link.send(END, tag=tag, until="written")))
             ended = True
-            if place is not None:  # the end is in the kernel, so is every piece before it (the link's queue is FIFO)
-                await end
-                place.leave()
             await gather_all(sends)
+            if place is not None:  # (every piece in the kernel and at most 1 MiB of each unacknowledged)
+                place.leave()
             for _ in range(FEED_DEPTH - 1):  # every piece written into the WAN link (a carrier: reported)
                 await room.acquire()
         finally:
@@ -490,9 +490,6 @@ class StripedP2P:
                     await place.turn()
                 sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
                 if not length:
-                    if place is not None:  # (the end is in the kernel: so is every piece before it)
-                        await sends[-1]
-                        place.leave()
                     break
                 forward = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
 
@@ -506,6 +503,8 @@ class StripedP2P:
                 forward.add_done_callback(forwarded)
                 sends.append(forward)
             await gather_all(sends)
+            if place is not None:
+                place.leave()
         except Exception as error:  # noqa: BLE001 - the ends see the lost member on their own links
             logger.warning("striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
                            "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)
