@@ -6,8 +6,12 @@ member's link at once (spatial sharing: each gets one member's rate), the pipeli
 take turns: the transfer whose turn it is is split into one share per live member, proportional
 to the member's measured rate, so it owns the cell's aggregate bandwidth and all shares end
 together. The next transfer starts only when the last share of the current one is delivered, so
-no two transfers' WAN phases overlap. Turns go round the pipelines by LocalDPRank (the rank
-after the last owner that has a transfer queued), FIFO within one pipeline.
+no two transfers' WAN phases overlap; or, where the caller deals a turn out piece by piece and
+says when its last piece is dealt (:meth:`CellScheduler.dealt`), at that moment, each member
+sending its share of the next after what it holds of the current one (per-link hand-over: no
+member's link carries two transfers at once, and none idles while the slowest finishes the turn).
+Turns go round the pipelines by LocalDPRank (the rank after the last owner that has a transfer
+queued), FIFO within one pipeline.
 
 A member's share of its own pipeline's transfer goes straight onto its WAN link; a share it
 carries for another member first crosses the local network, so its WAN hop starts a local phase
