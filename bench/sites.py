@@ -80,6 +80,8 @@ class EgressSampler:
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
             self.samples.append((time.time(), self.wan_bytes()))
+            if TRACING:
+                _sample_wan_links()
 
     def stop(self) -> list[tuple[float, int]]:
         self._stop.set()
@@ -321,6 +323,8 @@ def plot_timeline(timelines: list[dict], run, name: str) -> Path:
 # -- --trace: what every rank's striping did, when ------------------------------------------------
 TRACE_MIN_BYTES = 1 << 20  # sends and receives traced: of this size or more
 TRACE_CPU_S = 0.1
+STALL_BYTES = 1 << 20  # a WAN link's sample is traced when it acknowledged less with STALL_SEGMENTS in flight
+STALL_SEGMENTS = 64
 TRACE_EVENTS: list[tuple] = []  # (wall seconds, event, fields...) of this rank
 TRACING = False  # install_trace ran: time_sends records where each rank's timing starts
 
@@ -355,6 +359,27 @@ def install_trace() -> None:
     link_class = link_module.Link
     for name in ("send", "recv_into"):
         setattr(link_class, name, _timed(getattr(link_class, name), name))
+
+
+def _sample_wan_links() -> None:
+    """--trace: each WAN link's TCP streams (bytes acknowledged, segments in flight, congestion window,
+    retransmissions so far) and what wanlink holds for it (chunks queued, messages flow control holds,
+    eager credit left; read from this thread without the loop's lock: a diagnostic)."""
+    from wanlink.c10d import mesh as mesh_module
+    from wanlink.io.sockets import tcp_info
+
+    mesh = mesh_module._world_mesh
+    if mesh is None:
+        return
+    sites = mesh.sites
+    for peer in range(mesh.size):
+        link = mesh.cached(peer) if sites.site(peer) != sites.site(mesh.rank) else None
+        if link is None:
+            continue
+        infos = [tcp_info(sock) if sock is not None else None for sock in link.stream_sockets()]
+        streams = [(i.bytes_acked or 0, i.unacked, i.snd_cwnd, i.total_retrans) for i in infos if i is not None]
+        TRACE_EVENTS.append((time.time(), "tcp", peer, streams, len(link.queue), link.flow.held_messages,
+                             link.flow.credit))
 
 
 def trace_links() -> None:
@@ -395,6 +420,7 @@ def trace_summary(per_rank: list[list[tuple]], hosts: tuple[str, ...]) -> str:
     origin = min(event[0] for events in per_rank for event in events)
     transfers: dict[tuple, list] = {}
     lines = []
+    previous_tcp: dict = {}
     for rank, events in enumerate(per_rank):
         for event in events:
             if event[1] in ("send", "recv_into") and event[3] is not None and event[3] >= 0:
@@ -404,6 +430,10 @@ def trace_summary(per_rank: list[list[tuple]], hosts: tuple[str, ...]) -> str:
                 entry[0], entry[1] = min(entry[0], started), max(entry[1], ended)
                 entry[2] += 1
                 entry[3] += size
+            elif event[1] == "tcp":
+                line = _tcp_line(event, previous_tcp, hosts[rank], hosts)
+                if line:
+                    lines.append((event[0], f"{event[0] - origin:8.3f} {'':8s} {line}"))
             elif event[1] not in ("send", "recv_into", "cpu"):
                 text = " ".join(map(str, event[1:]))
                 lines.append((event[0], f"{event[0] - origin:8.3f} {'':8s} {hosts[rank]} {text}"))
@@ -412,6 +442,24 @@ def trace_summary(per_rank: list[list[tuple]], hosts: tuple[str, ...]) -> str:
                                f"{'->' if kind == 'send' else '<-'} {peer} {count} x {size / count / 2**20:.1f} MiB "
                                f"tag {tag:#x}"))
     return "\n".join([line for _t, line in sorted(lines)] + _cpu_lines(per_rank, hosts, origin)) + "\n"
+
+
+def _tcp_line(event: tuple, previous: dict, host: str, hosts: tuple[str, ...]) -> str | None:
+    """A WAN link's sample as a line when, since the link's sample before, its streams retransmitted,
+    or it had STALL_SEGMENTS or more in flight but fewer than STALL_BYTES were acknowledged (None otherwise)."""
+    stamp, _kind, peer, streams, queued, held, credit = event
+    before = previous.get((host, peer))
+    previous[(host, peer)] = (stamp, streams)
+    if before is None or len(before[1]) != len(streams):
+        return None
+    acked = sum(s[0] - b[0] for s, b in zip(streams, before[1]))
+    retrans = [s[3] - b[3] for s, b in zip(streams, before[1])]
+    in_flight = sum(s[1] for s in streams)
+    if not any(retrans) and (in_flight < STALL_SEGMENTS or acked >= STALL_BYTES):
+        return None
+    return (f"{host} tcp -> {hosts[peer]} acked {acked / 2**20:.2f} MiB in {1e3 * (stamp - before[0]):.0f} ms, "
+            f"in flight {in_flight} segs, cwnd {[s[2] for s in streams]}, retrans +{retrans}, "
+            f"queued {queued} chunks, held {held} msgs, credit {credit / 2**20:.0f} MiB")
 
 
 def _cpu_lines(per_rank: list[list[tuple]], hosts: tuple[str, ...], origin: float) -> list[str]:

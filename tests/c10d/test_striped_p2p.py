@@ -85,6 +85,8 @@ def striped_world(rank: int, size: int, sites: list[str]) -> dict:
         result["any"] = (torch.equal(landing, payload(12)), work._source_rank())
     dist.barrier()
     result["turns"] = [(t.started, t.finished) for t in ours.finished]
+    result["handed_over"] = ours.handed_over
+    result["wan"] = ours.wan.log
     return result
 
 
@@ -100,10 +102,17 @@ def check_exact(results: list[dict]) -> None:
     assert len(arrived) == len(results) and all(arrived.values()), arrived
 
 
-def check_turns(turns: list[tuple[float, float]]) -> None:
-    assert turns, "the cell leader granted no turns: nothing was striped"
-    for (_start, end), (start, _end) in zip(turns, turns[1:]):
-        assert start >= end, f"two striped transfers of one cell overlapped: {turns}"
+def check_turns(leader: dict, members: list[dict]) -> None:
+    """The leader granted turns and passed each on when its last piece was dealt; on every member's WAN
+    link the transfers' routes went one after another (each route's pieces queued only once the one
+    ahead had written its last)."""
+    assert leader["turns"], "the cell leader granted no turns: nothing was striped"
+    assert leader["handed_over"] == len(leader["turns"]), leader
+    for member in members:
+        routes = sorted(member["wan"], key=lambda route: route[2])
+        assert routes, "a member sent no striped route over its WAN link"
+        for (*_ahead, end), (*_behind, start, _end) in zip(routes, routes[1:]):
+            assert start >= end, f"two striped transfers shared a member's WAN link at once: {routes}"
 
 
 def test_two_sites_of_two_stripe_exactly_and_relay_without_user_calls():
@@ -113,8 +122,8 @@ def test_two_sites_of_two_stripe_exactly_and_relay_without_user_calls():
     assert results[2]["ordered"] == [True] * 4
     assert results[2]["batch"] is True
     assert results[2]["any"] == (True, 1)
-    check_turns(results[0]["turns"])  # rank 0 leads site a: its two pipelines took turns
-    check_turns(results[2]["turns"])
+    check_turns(results[0], results[:2])  # rank 0 leads site a: its two pipelines took turns
+    check_turns(results[2], results[2:])
 
 
 def test_uneven_sites_stripe_over_the_larger_site_only():

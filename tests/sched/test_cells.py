@@ -374,3 +374,87 @@ def test_moves_that_do_not_fit_are_refused():
     cell.submit(1, 8 * MiB, "u")
     with pytest.raises(ConfigError, match="rank 0: it was lost"):
         cell.move("u", 1, 0, MiB)
+
+
+class HandingOverCell(SimulatedCell):
+    """A SimulatedCell whose caller deals each turn out piece by piece: its last piece is dealt, and the
+    caller says so (``dealt``), as soon as a live member has drained everything it was given."""
+
+    def _complete_heads(self):
+        super()._complete_heads()
+        owner = self.scheduler.owner
+        if owner is not None and any(not queue for rank, queue in self.pending.items() if rank not in self.dead):
+            self.apply(self.scheduler.dealt(owner))
+
+    def link(self, rank):
+        """Member ``rank``'s WAN link: the (key, start, end) of what it sent, in time order."""
+        return sorted(((key, start, end) for key, r, _o, _n, start, end in self.segments if r == rank),
+                      key=lambda segment: segment[1:])
+
+
+def test_the_next_turn_takes_each_link_as_it_drains_and_never_shares_one():
+    """Per-link hand-over with unequal rates misjudged at first: the fast member drains its share of
+    the first turn early and starts the second's at once, the slow one after its own tail; no link idles
+    or carries two transfers at once, and the second turn's shares end together."""
+    true = {0: 1 * MB_S, 1: 3 * MB_S}
+    cell = HandingOverCell(true, estimates=[1 * MB_S, 2 * MB_S], smoothing=1.0)
+    cell.at(0.0, "submit", 0, 40 * MiB, "first")
+    cell.at(0.0, "submit", 1, 40 * MiB, "second")
+    cell.run()
+    for key in ("first", "second"):
+        cell.assert_delivered_once(key, 40 * MiB)
+    for rank in true:
+        link = cell.link(rank)
+        assert [key for key, _s, _e in link] == ["first", "second"]
+        assert link[1][1] == pytest.approx(link[0][2])  # no idle gap, no overlap
+    drained = cell.finished["second"].started
+    assert drained == pytest.approx(27 * MiB / (3 * MB_S))  # when member 1 drained its 27 of 40 granules
+    ends = [end for key, *_rest, end in cell.segments if key == "second"]
+    assert max(ends) == pytest.approx(80 * MiB / (4 * MB_S), rel=0.01)  # both links busy to the end
+    assert max(ends) - min(ends) < MiB / MB_S  # (a granule's rounding)
+    # without the hand-over the second turn waits for the slow member's tail
+    waiting = SimulatedCell(true, estimates=[1 * MB_S, 2 * MB_S], smoothing=1.0)
+    waiting.at(0.0, "submit", 0, 40 * MiB, "first")
+    waiting.at(0.0, "submit", 1, 40 * MiB, "second")
+    waiting.run()
+    assert waiting.finished["second"].finished > 1.1 * cell.finished["second"].finished
+
+
+def test_a_member_dying_during_a_hand_over_leaves_both_transfers_to_the_survivors():
+    """Member 1 dies while it still sends the first transfer's tail and holds its share of the second:
+    both are re-split over the live members and finish; the source dying fails only its own."""
+    cell = HandingOverCell({0: MB_S, 1: MB_S, 2: 2 * MB_S}, estimates=[MB_S] * 3)
+    cell.at(0.0, "submit", 2, 40 * MiB, "first")  # equal shares: member 2 drains first, at 7 s
+    cell.at(0.0, "submit", 0, 40 * MiB, "second")
+    cell.at(0.0, "submit", 1, 8 * MiB, "third")
+    cell.at(8.0, "die", 1)
+    cell.run()
+    assert cell.finished["second"].started < 8.0 < cell.finished["first"].finished  # both had bytes with member 1
+    assert set(cell.failed) == {"third"} and "rank 1" in str(cell.failed["third"])
+    for key in ("first", "second"):
+        cell.assert_delivered_once(key, 40 * MiB)
+        assert all(start < 8.0 for k, rank, _o, _n, start, _e in cell.segments if k == key and rank == 1)
+    for rank in (0, 2):
+        link = cell.link(rank)
+        for (_k, _s, end), (_k2, start, _e) in zip(link, link[1:]):
+            assert start >= end - 1e-9
+    assert cell.scheduler.owner is None and cell.scheduler.queued() == 0
+
+
+def test_only_the_owner_can_be_dealt_and_a_draining_transfer_can_be_cancelled_alone():
+    now = [0.0]
+    cell = CellScheduler([0, 1], [MB_S, MB_S], clock=lambda: now[0])
+    with pytest.raises(ConfigError, match="does not own the cell"):
+        cell.dealt("t")
+    cell.submit(0, 4 * MiB, "t")
+    assert cell.submit(1, 4 * MiB, "u") == []
+    handed = cell.dealt("t")
+    assert cell.owner == "u" and cell.active("t") and cell.active("u")
+    assert [(a.key, a.rank, a.length) for a in handed] == [("u", 1, 2 * MiB), ("u", 0, 2 * MiB)]
+    with pytest.raises(ConfigError, match="does not own the cell"):
+        cell.dealt("t")
+    assert cell.cancel("t") == [] and not cell.active("t")  # its bytes are dropped, "u"'s stay
+    now[0] = 2.0
+    assert cell.progress(1, 2 * MiB) == []
+    (finished,) = cell.progress(0, 2 * MiB)
+    assert finished == TransferFinished("u", 4 * MiB, 0.0, 2.0)

@@ -3,7 +3,9 @@ import pytest
 
 from wanlink.errors import ConfigError
 from wanlink.sched.sites import SiteMap
-from wanlink.sched.stripes import TAIL_SHRINK, Dealer, Route, piece_header, read_piece_header, routes, striped
+from wanlink.sched.stripes import (
+    FIRST_SHRINK, TAIL_SHRINK, Dealer, InOrder, Route, piece_header, read_piece_header, routes, striped,
+)
 
 MiB = 1 << 20
 
@@ -61,7 +63,8 @@ def test_the_dealer_deals_each_route_its_own_share_in_order_shrinking_pieces_at_
         assert offsets[0] == start and offsets == sorted(offsets)
         assert sum(n for _o, n in got[carrier]) == 64
     sizes = [n for _o, n in got[0]]
-    assert sizes[:4] == [8] * 4 and sizes == sorted(sizes, reverse=True) and min(sizes) == 8 // TAIL_SHRINK < 8
+    assert sizes[0] == 8 // FIRST_SHRINK  # a small first piece: its route's next hop starts sooner
+    assert sizes[1:4] == [8] * 3 and sizes[1:] == sorted(sizes[1:], reverse=True) and sizes[-1] == 8 // TAIL_SHRINK < 8
     assert dealer.moves == [] and dealer.dealt == {0: 64, 1: 64} and busy[0] == busy[1]
     with pytest.raises(ConfigError, match="piece size and depth must be >= 1, got 0 bytes"):
         Dealer([(0, 0, 10)], 0)
@@ -89,3 +92,12 @@ def test_piece_headers_round_trip_and_a_piece_outside_the_transfer_is_refused():
     assert read_piece_header(piece_header(0, 0), 12, "x") == (0, 0)
     with pytest.raises(ConfigError, match="recv of 12 bytes: a piece of 4 bytes at offset 9 does not fit"):
         read_piece_header(piece_header(9, 4), 12, "recv of 12 bytes")
+
+
+def test_numbered_reports_are_handed_on_in_order_whatever_order_they_come_in():
+    order = InOrder()
+    assert order.add(1, "dealt") == []  # overtook the move it follows: held
+    assert order.add(0, "moved") == ["moved", "dealt"]
+    assert order.add(3, "done b") == [] and order.add(2, "done a") == ["done a", "done b"]
+    with pytest.raises(ConfigError, match="numbered item 2 came twice"):
+        order.add(2, "again")

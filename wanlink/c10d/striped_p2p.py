@@ -8,9 +8,10 @@ link) -> destination (B's local network) as pieces, each with a header saying wh
 the destination receives every piece straight into the posted tensor. The source deals the pieces
 as the routes drain (``wanlink.sched.stripes.Dealer``): a carrier is fed its next piece when it
 reports one written into its WAN link, so it holds at most FEED_DEPTH, and a route that drains its
-share first takes the tail of another's. Two transfers of one cell take turns: the next is granted
-when the source reported every route's last piece written into the kernel (its last bytes still
-in flight there, ahead of the next transfer's on the same link).
+share first takes the tail of another's. Two transfers of one cell take turns, handed over link by
+link: the next is granted when the source has dealt the last piece of the current one, and each
+member's WAN link starts the next transfer's share as soon as it has written its last piece of the
+current one (:class:`WanQueue`), so no WAN link carries two transfers at once and none idles between them.
 
 Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
 reads the control messages of all its links on the loop thread and relays what it is asked to.
@@ -41,7 +42,7 @@ from wanlink.collectives.base import gather_all
 from wanlink.errors import ConfigError, PeerLost
 from wanlink.sched.cells import CellScheduler, SendShare, TransferFailed, TransferFinished
 from wanlink.sched.stripes import (
-    HEADER_BYTES, MAX_ROUTES, Dealer, Route, piece_header, read_piece_header, routes, striped,
+    HEADER_BYTES, MAX_ROUTES, Dealer, InOrder, Route, piece_header, read_piece_header, routes, striped,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,55 @@ async def recv_any(comm: LinkComm, peers: Sequence[int], buffer: torch.Tensor) -
     return source
 
 
+class WanQueue:
+    """The striped routes one rank sends over its WAN link, one after another in the order they joined
+    (per-link hand-over): a route's first piece goes onto the link only once every route ahead of it
+    has its last piece written (``until="written"``: in the kernel, and at most 1 MiB of it not yet
+    acknowledged), so the link carries one transfer at a time and is without bytes for at most about
+    a round trip less 1 MiB's time (none at 250 Mbit/s and 40 ms, about 20 ms at 500). Earlier was
+    traced worse: a link's streams share it, so bytes of the next transfer in the kernel beside the
+    current one's tail slow that tail down; started when the route ahead had its end queued, the
+    first transfer's last piece landed 0.26 s late, and when it had its end in the kernel, about
+    0.1 s late at 500 Mbit/s. Loop thread only."""
+
+    def __init__(self):
+        self._open: list[asyncio.Future] = []  # a future per route that joined and has not left, in order
+        self.log: list[tuple[int, int, float, float]] = []  # (origin, serial, first piece queued, last piece
+        # written) of every route that went through, in order
+
+    def join(self, origin: int, serial: int) -> WanPlace:
+        """Place a route of ``origin``'s transfer ``serial`` in line now (before its first piece arrives)."""
+        return WanPlace(self, origin, serial)
+
+
+class WanPlace:
+    """One route's place in a :class:`WanQueue`."""
+
+    def __init__(self, queue: WanQueue, origin: int, serial: int):
+        self._queue, self._key = queue, (origin, serial)
+        self._ahead = list(queue._open)
+        self._left = asyncio.get_running_loop().create_future()
+        queue._open.append(self._left)
+        self._left.add_done_callback(queue._open.remove)
+        self.started: float | None = None
+
+    async def turn(self) -> None:
+        """Return once every route ahead has left (at once after the first time). A cancelled waiter
+        leaves the routes ahead alone (their futures are shielded)."""
+        while self._ahead:
+            await asyncio.shield(self._ahead[0])
+            self._ahead.pop(0)
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def leave(self) -> None:
+        """This route's last piece is written, or it gave up: the next route may start."""
+        if not self._left.done():
+            self._left.set_result(None)
+            if self.started is not None:
+                self._queue.log.append((*self._key, self.started, time.monotonic()))
+
+
 class StripedP2P:
     """One mesh's striping: relays, the cell leader's scheduler, and both ends of striped transfers.
 
@@ -124,8 +174,11 @@ class StripedP2P:
         self._fed: dict[tuple[int, int], asyncio.Semaphore] = {}  # (serial, route): a carrier's room
         self._grants: dict[tuple[int, int], asyncio.Future] = {}
         self._granted: set[tuple[int, int]] = set()
+        self._reports: dict[tuple[int, int], InOrder] = {}  # the leader's: each granted transfer's reports, in order
+        self.wan = WanQueue()  # the routes this rank sends over its WAN link
         self._tasks: set[asyncio.Task] = set()
         self.finished: list[TransferFinished] = []  # the leader's record of its cell's turns
+        self.handed_over = 0  # turns the leader passed on when their last piece was dealt
         self.relayed_bytes = 0  # of other ranks' transfers, forwarded by this rank
 
     @staticmethod
@@ -196,7 +249,7 @@ class StripedP2P:
             future = self._grants.get((self.rank, serial))
             if future is not None and not future.done():
                 future.set_result(shares)
-        elif kind in ("request", "moved", "done", "cancel") and self.scheduler is not None:
+        elif kind in ("request", "moved", "dealt", "done", "cancel") and self.scheduler is not None:
             self._lead(peer, kind, fields)
         else:
             logger.warning("striped p2p: rank %d ignored control message %r from rank %d",
@@ -216,17 +269,26 @@ class StripedP2P:
         if kind == "request":
             serial, nbytes = fields
             actions = scheduler.submit(peer, nbytes, (peer, serial))
-        elif kind in ("moved", "done"):  # from the source: pieces dealt to another route, a route's end
-            serial, rank, *rest = fields
-            if scheduler.owner != (peer, serial):  # a cancelled transfer's late report
+        elif kind in ("moved", "dealt", "done"):  # the source's numbered reports: pieces dealt to another
+            serial, number, *rest = fields          # route, its last piece dealt (the next turn starts), a route's end
+            key = (peer, serial)
+            if not scheduler.active(key):  # a cancelled transfer's late report
                 return
-            if kind == "moved":
-                scheduler.move((peer, serial), rank, *rest)
-                return
-            actions = scheduler.progress(rank, *rest)
+            actions = []
+            for report, values in self._reports.setdefault(key, InOrder()).add(number, (kind, rest)):
+                if not scheduler.active(key):
+                    break
+                if report == "moved":
+                    scheduler.move(key, *values)
+                elif report == "done":
+                    actions += scheduler.progress(*values)
+                else:
+                    actions += scheduler.dealt(key)
+                    self.handed_over += 1
         else:
             origin, serial = fields
             self._granted.discard((origin, serial))
+            self._reports.pop((origin, serial), None)
             actions = scheduler.cancel((origin, serial))
         self._carry_out(actions)
 
@@ -237,6 +299,7 @@ class StripedP2P:
                 grants.setdefault(action.key, []).append([action.rank, action.offset, action.length])
             elif isinstance(action, (TransferFinished, TransferFailed)):
                 self._granted.discard(action.key)
+                self._reports.pop(action.key, None)
                 if isinstance(action, TransferFinished):
                     self.finished.append(action)
         for (origin, serial), shares in grants.items():
@@ -295,7 +358,8 @@ class StripedP2P:
             plan = routes(self.sites, self.rank, destination, shares)
             self._to(destination, ["plan", serial, nbytes, [[r.offset, r.length, r.carrier, r.partner] for r in plan]])
             dealer = Dealer([(r.carrier, r.offset, r.length) for r in plan], self.piece_bytes, FEED_DEPTH)
-            jobs = [descriptor] + [self._feed(serial, index, route, destination, dealer, as_buffer(data))
+            reports = itertools.count()  # numbers the reports to the leader (see InOrder)
+            jobs = [descriptor] + [self._feed(serial, index, route, destination, dealer, as_buffer(data), reports)
                                    for index, route in enumerate(plan)]
             await self._watching([r.carrier for r in plan] + [destination], gather_all(jobs), what, "relay")
         except BaseException:
@@ -305,29 +369,46 @@ class StripedP2P:
         finally:
             self._grants.pop((self.rank, serial), None)
 
-    async def _feed(self, serial: int, index: int, route: Route, destination: int, dealer: Dealer, data) -> None:
+    @staticmethod
+    def _abandon(link, tag: int) -> None:
+        """End a route the source gave up on before its end: its carrier stops waiting for pieces
+        (and lets the routes behind it onto its WAN link)."""
+        try:
+            link.start_send(END, tag=tag, until="written").add_done_callback(
+                lambda sent: sent.cancelled() or sent.exception())
+        except PeerLost:
+            pass
+
+    async def _feed(self, serial: int, index: int, route: Route, destination: int, dealer: Dealer, data,
+                    reports: itertools.count) -> None:
         """Deal route ``index`` its pieces as it drains, each behind its header, then its end.
 
-        The source's own route goes straight to ``destination``, a piece dealt whenever one of the
-        FEED_DEPTH in flight is written into the kernel; a carrier is sent its pieces over the local
-        network, the next whenever it reports one written into its WAN link ("fed"). Bytes moved to
-        this route from another's share, and the route's end (all of it written), go to the leader.
+        The source's own route goes straight to ``destination`` once the routes ahead of it on this
+        rank's WAN link are queued, a piece dealt whenever one of the FEED_DEPTH in flight is written
+        into the kernel; a carrier is sent its pieces over the local network, the next whenever it
+        reports one written into its WAN link ("fed"). Bytes moved to this route from another's share,
+        the last piece dealt, and the route's end (all of it written) are told to the leader.
         """
         carrier, tag = route.carrier, relay_tag(self.slot, self.rank, serial, index)
         room = asyncio.Semaphore(FEED_DEPTH)
         relayed = carrier != self.rank
+        place = None if relayed else self.wan.join(self.rank, serial)
         if relayed:
             self._fed[(serial, index)] = room
             self._to(carrier, ["relay", self.rank, serial, index, destination, route.partner])
-        link = await self.mesh.link(carrier if relayed else destination)
-        sends = []
+        sends, link, ended = [], None, False
         try:
+            link = await self.mesh.link(carrier if relayed else destination)
+            if place is not None:
+                await place.turn()
             while True:
                 await room.acquire()
-                moves = len(dealer.moves)
+                moves, undealt = len(dealer.moves), dealer.undealt()
                 piece = dealer.next(carrier)
                 for giver, taker, nbytes in dealer.moves[moves:]:  # (this call's: it took another's piece)
-                    self._to(self.leader, ["moved", serial, giver, taker, nbytes])
+                    self._to(self.leader, ["moved", serial, next(reports), giver, taker, nbytes])
+                if undealt and not dealer.undealt():  # this call dealt the last piece: the next turn may start
+                    self._to(self.leader, ["dealt", serial, next(reports)])
                 if piece is None:
                     break
                 offset, length = piece
@@ -336,12 +417,19 @@ class StripedP2P:
                 if not relayed:
                     sends[-1].add_done_callback(lambda _sent: room.release())
             sends.append(asyncio.ensure_future(link.send(END, tag=tag, until="written")))
+            ended = True
             await gather_all(sends)
+            if place is not None:  # (every piece in the kernel and at most 1 MiB of each unacknowledged)
+                place.leave()
             for _ in range(FEED_DEPTH - 1):  # every piece written into the WAN link (a carrier: reported)
                 await room.acquire()
         finally:
             self._fed.pop((serial, index), None)
-        self._tell(self.leader, ["done", serial, carrier, dealer.dealt[carrier]])
+            if place is not None:
+                place.leave()
+            if relayed and link is not None and not ended:
+                self._abandon(link, tag)
+        self._tell(self.leader, ["done", serial, next(reports), carrier, dealer.dealt[carrier]])
 
     async def receive(self, source: int, serial: int, buffer: torch.Tensor) -> None:
         """Receive striped transfer ``serial`` of ``source`` into ``buffer``."""
@@ -382,6 +470,7 @@ class StripedP2P:
         tag = relay_tag(self.slot, origin, serial, index)
         carrying = self.sites.site(self.rank) == self.sites.site(origin)
         what = f"wanlink striped p2p relay at rank {self.rank} of rank {origin}'s transfer {serial}"
+        place = self.wan.join(origin, serial) if carrying else None  # (a carrier forwards over its WAN link)
         try:
             inbound, outbound = await self.mesh.link(peer), await self.mesh.link(next_hop)
             if next_hop != destination:
@@ -393,12 +482,15 @@ class StripedP2P:
                 header = bytearray(HEADER_BYTES)
                 await inbound.recv_into(header, tag=tag)
                 _offset, length = read_piece_header(header, inbound.limits.max_transfer_size, what)
+                if length:
+                    await window.acquire()
+                    buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
+                    await inbound.recv_into(buffer[:length], tag=tag)
+                if place is not None:  # (the first piece waits here, landed, until the routes ahead are queued)
+                    await place.turn()
                 sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
                 if not length:
                     break
-                await window.acquire()
-                buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
-                await inbound.recv_into(buffer[:length], tag=tag)
                 forward = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
 
                 def forwarded(sent, buffer=buffer, length=length) -> None:
@@ -411,8 +503,13 @@ class StripedP2P:
                 forward.add_done_callback(forwarded)
                 sends.append(forward)
             await gather_all(sends)
+            if place is not None:
+                place.leave()
         except Exception as error:  # noqa: BLE001 - the ends see the lost member on their own links
             logger.warning("striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
                            "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)
             if carrying:
                 self._tell(self.leader, ["cancel", origin, serial])
+        finally:
+            if place is not None:
+                place.leave()

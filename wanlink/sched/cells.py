@@ -6,8 +6,12 @@ member's link at once (spatial sharing: each gets one member's rate), the pipeli
 take turns: the transfer whose turn it is is split into one share per live member, proportional
 to the member's measured rate, so it owns the cell's aggregate bandwidth and all shares end
 together. The next transfer starts only when the last share of the current one is delivered, so
-no two transfers' WAN phases overlap. Turns go round the pipelines by LocalDPRank (the rank
-after the last owner that has a transfer queued), FIFO within one pipeline.
+no two transfers' WAN phases overlap; or, where the caller deals a turn out piece by piece and
+says when its last piece is dealt (:meth:`CellScheduler.dealt`), at that moment, each member
+sending its share of the next after what it holds of the current one (per-link hand-over: no
+member's link carries two transfers at once, and none idles while the slowest finishes the turn).
+Turns go round the pipelines by LocalDPRank (the rank after the last owner that has a transfer
+queued), FIFO within one pipeline.
 
 A member's share of its own pipeline's transfer goes straight onto its WAN link; a share it
 carries for another member first crosses the local network, so its WAN hop starts a local phase
@@ -104,7 +108,7 @@ def split_by_rate(nbytes: int, rates: Sequence[tuple[int, float]], granule: int)
     return shares
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class _Transfer:
     key: Hashable
     source: int
@@ -114,6 +118,7 @@ class _Transfer:
 
 @dataclasses.dataclass(slots=True)
 class _Share:
+    transfer: _Transfer
     offset: int
     length: int
     relayed: bool  # carried for another member's transfer (its WAN hop starts after a local phase)
@@ -163,15 +168,20 @@ class CellScheduler:
         self._where = f" of site {site!r}" if site else ""
         self._queues: dict[int, collections.deque[_Transfer]] = {rank: collections.deque() for rank in ranks}
         self._keys: set[Hashable] = set()
-        self._current: _Transfer | None = None
+        self._current: _Transfer | None = None  # the turn's owner, until its bytes are all dealt
+        self._active: list[_Transfer] = []  # transfers with bytes still queued at members, in turn order
         self._last_turn = len(ranks) - 1  # the first turn goes to LocalDPRank 0
 
     # -- what callers may read -------------------------------------------------------------
 
     @property
     def owner(self) -> Hashable | None:
-        """The key of the transfer owning the cell's WAN bandwidth now, or None when idle."""
+        """The key of the transfer whose turn it is (granted and not yet :meth:`dealt`), or None."""
         return None if self._current is None else self._current.key
+
+    def active(self, key: Hashable) -> bool:
+        """Whether transfer ``key`` has bytes granted and not yet delivered (its progress still counts)."""
+        return any(transfer.key == key for transfer in self._active)
 
     def rates(self) -> dict[int, float]:
         """Each live member's current WAN rate estimate (bytes/s)."""
@@ -197,19 +207,20 @@ class CellScheduler:
         """
         now = self._clock()
         windows = []
-        if self._current is not None:
-            end = now + max((sum(s.length - s.delivered for s in m.shares) / m.rate
-                             for m in self._members.values() if m.shares), default=0.0)
-            windows.append((self._current.key, self._current.started, end))
-            now = end
+        for transfer in self._active:  # each member sends its queued shares in order
+            end = now + max((self._busy_for(m, transfer) for m in self._members.values()
+                             if any(s.transfer is transfer for s in m.shares)), default=0.0)
+            windows.append((transfer.key, transfer.started, end))
+        now = max((end for _key, _start, end in windows), default=now)
         queues = {rank: list(q) for rank, q in self._queues.items()}
         last = self._last_turn
         while (rank := self._next_source(queues, last)) is not None:
             transfer = queues[rank].pop(0)
             last = self._members[rank].local_rank
-            timing = {rank: (rate, lag) for rank, rate, lag in self._live_members(transfer.source)}
+            timing = {rank: (rate, lag) for rank, rate, lag in self._live_members(transfer.source, queued=False)}
             end = now + max((timing[r][1] + length / timing[r][0]
-                             for r, _o, length in self._split(transfer.source, 0, transfer.nbytes)), default=0.0)
+                             for r, _o, length in self._split(transfer.source, 0, transfer.nbytes, queued=False)),
+                            default=0.0)
             windows.append((transfer.key, now, end))
             now = end
         return windows
@@ -254,7 +265,7 @@ class CellScheduler:
                 done += member.shares.popleft().length
         if done:
             self._share_done(member, done, share.relayed, now)
-        return self._finish_turn_if_done(now)
+        return self._finish_done(now)
 
     def member_lost(self, rank: int) -> list[Action]:
         """Member ``rank`` died: fail its own transfers and re-split what it had left to send."""
@@ -267,22 +278,17 @@ class CellScheduler:
             self._keys.discard(transfer.key)
             actions.append(TransferFailed(transfer.key, self._lost_error(rank, transfer.key)))
         self._queues[rank].clear()
-        current = self._current
-        if current is None:
-            return actions
-        if current.source == rank:
-            for m in self._members.values():
-                m.shares.clear()
-            self._current = None
-            self._keys.discard(current.key)
-            actions.append(TransferFailed(current.key, self._lost_error(rank, current.key)))
-            return actions + self._start_turn()
-        undelivered = [(s.offset + s.delivered, s.length - s.delivered) for s in member.shares]
+        undelivered = [(s.transfer, s.offset + s.delivered, s.length - s.delivered) for s in member.shares]
         member.shares.clear()
         now = self._clock()
-        for offset, length in undelivered:
-            actions += self._assign(current, self._split(current.source, offset, length), now)
-        return actions + self._finish_turn_if_done(now)
+        for transfer in list(self._active):
+            if transfer.source == rank:
+                self._drop(transfer)
+                actions.append(TransferFailed(transfer.key, self._lost_error(rank, transfer.key)))
+        for transfer, offset, length in undelivered:
+            if transfer in self._active:
+                actions += self._assign(transfer, self._split(transfer.source, offset, length), now)
+        return actions + self._finish_done(now)
 
     def move(self, key: Hashable, giver: int, taker: int, nbytes: int) -> None:
         """The last ``nbytes`` of member ``giver``'s undelivered share of the current transfer ``key``
@@ -291,7 +297,7 @@ class CellScheduler:
         if self._current is None or self._current.key != key:
             raise ConfigError(f"transfer {key!r} does not own the cell{self._where}: nothing of it to move")
         source, target = self._member(giver), self._member(taker)
-        share = source.shares[-1] if source.shares else None
+        share = source.shares[-1] if source.shares and source.shares[-1].transfer is self._current else None
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0 or share is None \
                 or share.length - share.delivered < nbytes:
             left = 0 if share is None else share.length - share.delivered
@@ -302,7 +308,8 @@ class CellScheduler:
         share.length -= nbytes
         if not target.shares:
             target.busy_since = self._clock()
-        target.shares.append(_Share(share.offset + share.length, nbytes, relayed=taker != self._current.source))
+        target.shares.append(_Share(self._current, share.offset + share.length, nbytes,
+                                    relayed=taker != self._current.source))
         if share.length == share.delivered:  # nothing left of it: done (measured when it had any bytes)
             source.shares.pop()
             if share.length:
@@ -319,8 +326,18 @@ class CellScheduler:
                 if transfer.key == key:
                     queue.remove(transfer)
                     return []
-        for member in self._members.values():
-            member.shares.clear()
+        self._drop(next(transfer for transfer in self._active if transfer.key == key))
+        return self._start_turn()
+
+    def dealt(self, key: Hashable) -> list[Action]:
+        """Every byte of transfer ``key``, whose turn it is, now sits with the member that sends it
+        (the caller deals its shares piece by piece and gave out the last: nothing more will
+        :meth:`move`): the next turn starts now, its shares queued behind what each member still
+        holds of ``key`` and split so that they end together (per-link hand-over: no member's WAN link
+        carries two transfers at once, and none idles between turns). ``key`` still finishes
+        (:class:`TransferFinished`) when its last bytes are delivered."""
+        if self._current is None or self._current.key != key:
+            raise ConfigError(f"transfer {key!r} does not own the cell{self._where}: it cannot be dealt")
         self._current = None
         return self._start_turn()
 
@@ -338,18 +355,31 @@ class CellScheduler:
         return PeerLost(f"transfer {key!r} cannot finish: its source rank {rank} "
                         f"(LocalDPRank {member.local_rank}{self._where}) died")
 
-    def _live_members(self, source: int) -> list[tuple[int, float, float]]:
-        """``(rank, rate, lag)`` of the live members, the source first (its share needs no hop over the
-        local network, so no lag)."""
+    def _live_members(self, source: int, queued: bool = True) -> list[tuple[int, float, float]]:
+        """``(rank, rate, delay)`` of the live members, the source first: when each can start sending a
+        new share: after the bytes it still has queued (unless ``queued`` is false) and, for a share it
+        relays, after the local phase (its lag; the two overlap: the share crosses the local network meanwhile)."""
         members = sorted((m for m in self._members.values() if m.alive), key=lambda m: (m.rank != source, m.local_rank))
-        return [(m.rank, m.rate, 0.0 if m.rank == source else m.lag) for m in members]
+        return [(m.rank, m.rate, max(self._busy_for(m) if queued else 0.0, 0.0 if m.rank == source else m.lag))
+                for m in members]
 
-    def _split(self, source: int, offset: int, length: int) -> list[tuple[int, int, int]]:
-        members = self._live_members(source)
+    def _busy_for(self, member: _Member, upto: _Transfer | None = None) -> float:
+        """Seconds ``member`` still needs, at its rate estimate, for the bytes it has queued (through its
+        last share of transfer ``upto``); its head share has been on its way since ``busy_since``."""
+        shares = list(member.shares)
+        if upto is not None:
+            shares = shares[:max(i for i, s in enumerate(shares) if s.transfer is upto) + 1]
+        if not shares:
+            return 0.0
+        queued = sum(s.length - s.delivered for s in shares) / member.rate
+        return max(0.0, queued - (self._clock() - member.busy_since))
+
+    def _split(self, source: int, offset: int, length: int, queued: bool = True) -> list[tuple[int, int, int]]:
+        members = self._live_members(source, queued)
         active = list(members)
-        while True:  # the common end T of the shares; a member whose lag is past T gets nothing
+        while True:  # the common end T of the shares; a member whose delay is past T gets nothing
             end = (length + sum(rate * lag for _r, rate, lag in active)) / sum(rate for _r, rate, _l in active)
-            keep = [m for m in active if m[2] <= end]  # the source (lag 0) always stays
+            keep = [m for m in active if m[2] <= end]  # (the least delayed always stays: T is past its delay)
             if len(keep) == len(active):
                 break
             active = keep
@@ -373,8 +403,9 @@ class CellScheduler:
             now = self._clock()
             transfer.started = now
             self._current = transfer
+            self._active.append(transfer)
             actions += self._assign(transfer, self._split(source, 0, transfer.nbytes), now)
-            actions += self._finish_turn_if_done(now, start_next=False)
+            actions += self._finish_done(now, start_next=False)
         return actions
 
     def _assign(self, transfer: _Transfer, shares, now: float) -> list[Action]:
@@ -383,7 +414,7 @@ class CellScheduler:
             member = self._members[rank]
             if not member.shares:
                 member.busy_since = now
-            member.shares.append(_Share(offset, length, relayed=rank != transfer.source))
+            member.shares.append(_Share(transfer, offset, length, relayed=rank != transfer.source))
             actions.append(SendShare(transfer.key, rank, offset, length))
         return actions
 
@@ -410,13 +441,22 @@ class CellScheduler:
         setattr(member, field, (1 - weight) * getattr(member, field) + weight * sample)
         member.measured.add(what)
 
-    def _finish_turn_if_done(self, now: float, start_next: bool = True) -> list[Action]:
-        current = self._current
-        if current is None or any(m.shares for m in self._members.values()):
-            return []
-        self._current = None
-        self._keys.discard(current.key)
-        done: list[Action] = [TransferFinished(current.key, current.nbytes, current.started, now)]
+    def _drop(self, transfer: _Transfer) -> None:
+        """Forget ``transfer``'s undelivered shares (it failed or was cancelled); its turn, if it had it, ends."""
+        for member in self._members.values():
+            member.shares = collections.deque(s for s in member.shares if s.transfer is not transfer)
+        self._active.remove(transfer)
+        self._keys.discard(transfer.key)
+        if self._current is transfer:
+            self._current = None
+
+    def _finish_done(self, now: float, start_next: bool = True) -> list[Action]:
+        """Finish the transfers with nothing left to deliver; when the owner was one of them, the next turn starts."""
+        queued = {id(s.transfer) for m in self._members.values() for s in m.shares}
+        done: list[Action] = []
+        for transfer in [t for t in self._active if id(t) not in queued]:
+            self._drop(transfer)
+            done.append(TransferFinished(transfer.key, transfer.nbytes, transfer.started, now))
         return done + self._start_turn() if start_next else done
 
 
