@@ -1,9 +1,8 @@
 """Which algorithm a collective runs: direct exchange (one round) when every member's share is at
 most ``direct_max_bytes``; above it, the site-aware algorithms (collectives/hierarchical.py) when the
 group spans sites where they pay off, else pipelined rings and chains where they pipeline (more
-than one piece), and direct broadcast, all-gather and reduce-scatter or halving all-reduce where
-they would not. AVG is a SUM
-finished by a division."""
+than one piece), and where they would not direct broadcast, all-gather and reduce-scatter, and for
+all-reduce direct exchange (two members) or halving. AVG is a SUM finished by a division."""
 from __future__ import annotations
 
 import dataclasses
