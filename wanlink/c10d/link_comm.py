@@ -197,7 +197,11 @@ class LinkComm(Comm):
             return None
         if tensor.numel() == 0:
             return _done(), _nothing
-        entry, future = link.start_recv(as_buffer(tensor), tag=self._base_tag | piece)
+        link.hold_frames()  # its grant leaves at the end of this loop iteration, with the chunks queued in it
+        try:
+            entry, future = link.start_recv(as_buffer(tensor), tag=self._base_tag | piece)
+        finally:
+            link.release_frames(after_wakeups=True)
         self._started.append([peer, future])
         return future, lambda: link.cancel_recv(entry)
 

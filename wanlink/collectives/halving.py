@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, exchange, piece_bounds
+from wanlink.collectives.base import MAX_PIECES, Comm, Reducer, Tasks, piece_bounds
 
 GATHER = MAX_PIECES  # all-gather steps use pieces GATHER + s, reduce-scatter steps s
 
@@ -25,12 +25,15 @@ def usable(size: int) -> bool:
 async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
     """In place: every member ends with the reduction of all members' ``tensor`` (``usable(comm.size)``).
 
-    Each step is one exchange with its partner (``base.exchange``: on a process group's Comm the
-    receive is posted and the send queued from this task, then both awaited; no task per message,
-    and the receive's grant leaves with the send's first chunk). The doubling steps receive straight
-    into the blocks they fill: a block a doubling step fills was sent from in a halving step, and its
-    final sum exists only once the partner received all of that send, so nothing this member still
-    sends is overwritten (chunks re-sent after a stream died are dropped there as duplicates).
+    Every receive is posted at the start, the halving steps' into scratch and the doubling steps'
+    straight into the blocks they fill, so a partner's message that comes before this member is
+    ready for it lands in place instead of in staging (a copy more); on a process group's Comm
+    without a task each (``base.Tasks``), their grants leaving with the first step's chunks. A step
+    waits for its receive, not for its send (as in the ring): a halving step's send reads blocks
+    this member no longer reduces into. A block a doubling step fills was sent from in a halving
+    step, and its final sum exists only once the partner received all of that send: nothing this
+    member still sends is overwritten (chunks re-sent after a stream died are dropped there as
+    duplicates), as in the ring.
     """
     n, me = comm.size, comm.rank
     bounds = piece_bounds(tensor.numel(), n)
@@ -51,9 +54,18 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
         doubling.append((partner, (lo, hi), other))
         lo, hi, distance = min(lo, other[0]), max(hi, other[1]), distance * 2
 
-    for step, (partner, keep, give) in enumerate(halving):
-        incoming = comm.empty(blocks(keep).numel(), tensor.dtype)
-        await exchange(comm, [(partner, blocks(give), step)], [(partner, incoming, step)])
-        await comm.compute(reducer, blocks(keep), incoming)
-    for step, (partner, mine, other) in enumerate(doubling):
-        await exchange(comm, [(partner, blocks(mine), GATHER + step)], [(partner, blocks(other), GATHER + step)])
+    async def body(tasks: Tasks) -> None:
+        incoming = [comm.empty(blocks(keep).numel(), tensor.dtype) for _partner, keep, _give in halving]
+        halved = [tasks.recv(comm, partner, incoming[step], step)
+                  for step, (partner, _keep, _give) in enumerate(halving)]
+        gathered = [tasks.recv(comm, partner, blocks(other), GATHER + step)
+                    for step, (partner, _mine, other) in enumerate(doubling)]
+        for step, (partner, keep, give) in enumerate(halving):
+            tasks.send(comm, partner, blocks(give), step)
+            await halved[step]
+            await comm.compute(reducer, blocks(keep), incoming[step])
+        for step, (partner, mine, _other) in enumerate(doubling):
+            tasks.send(comm, partner, blocks(mine), GATHER + step)
+            await gathered[step]
+
+    await Tasks().run(body)
