@@ -90,12 +90,12 @@ async def _reduce_scatter_piece(comm: Comm, pieces: list[list[torch.Tensor]], p:
     buffers = await receive_buffers.take()
     tasks.send(comm, right, pieces[(me - 1) % n][p], p)
     receives: dict[int, asyncio.Future] = {}
-    forwards: list[asyncio.Task] = []
+    forwards: list[asyncio.Future] = []
 
-    def post(step: int) -> asyncio.Task:
+    def post(step: int) -> asyncio.Future:
         return tasks.recv(comm, left, buffers[step % slots][: sizes[step]], p)
 
-    async def post_after(forwarded: asyncio.Task, previous: asyncio.Future | None, step: int) -> asyncio.Task:
+    async def post_after(forwarded: asyncio.Future, previous: asyncio.Future | None, step: int) -> asyncio.Future:
         await forwarded  # the buffer is free again
         if previous is not None:
             await previous  # keep posting in step order

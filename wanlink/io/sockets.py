@@ -1,6 +1,7 @@
 """Socket set-up and exact-size reads for wanlink's streams (TCP, or Unix sockets between processes of one host)."""
 from __future__ import annotations
 
+import _socket
 import asyncio
 import dataclasses
 import ipaddress
@@ -265,7 +266,7 @@ _SEND_ROOM_FIELDS = tuple(_TCP_INFO_OFFSETS[name] for name in ("snd_mss", "unack
 _SEND_ROOM_BYTES = max(offset + field.size for offset, field in _SEND_ROOM_FIELDS)
 
 
-_raw_family = socket.socket.__base__.family.__get__
+_raw_family = _socket.socket.family.__get__
 """A socket's family as a plain int: ``sock.family`` builds an AddressFamily enum in Python (about
 five calls), too much for what runs for every chunk a link writes."""
 _TCP_FAMILIES = (int(socket.AF_INET), int(socket.AF_INET6))
