@@ -317,5 +317,32 @@ def test_halving_posts_every_receive_before_it_sends_a_second_message(size):
         assert log.count("recv") == steps and "recv" not in log[log.index("send", 1):], log
 
 
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_a_halving_step_waits_for_its_receive_not_its_send(size):
+    """Every send is held unfinished (its bytes delivered) until this member's last receive has
+    landed: steps that waited for their own sends would never get there (each partner stuck on its
+    first send), as halving's did before."""
+    last = halving.GATHER + size.bit_length() - 2  # the last doubling step's piece
+
+    async def member(comm):
+        landed = asyncio.Event()
+        send, recv = comm.send, comm.recv
+
+        async def held_send(peer, tensor, piece=0):
+            await send(peer, tensor, piece)
+            await landed.wait()
+
+        async def noting_recv(peer, tensor, piece=0):
+            await recv(peer, tensor, piece)
+            if piece == last:
+                landed.set()
+        comm.send, comm.recv = held_send, noting_recv
+        tensor = data(comm.rank, 64)
+        await halving.allreduce(comm, tensor, reducer_for("sum", tensor.dtype, "t"))
+        return tensor
+    expected = reference("sum", [data(rank, 64) for rank in range(size)])
+    assert all(torch.equal(result, expected) for result in run_members(size, member))
+
+
 def test_halving_is_for_powers_of_two():
     assert [n for n in range(1, 17) if halving.usable(n)] == [2, 4, 8, 16]

@@ -33,6 +33,23 @@ def test_broadcast_chains_only_a_buffer_that_pipelines(numel, pieces):
 def test_all_reduce_halves_where_the_ring_would_not_pipeline(size, numel, rounds):
     """Messages a member sends: halving 2 log2(n) where segments are one piece (4 x 16 floats);
     the ring 2(n-1) per piece otherwise (segments of 4 pieces: more, and a group of 3 cannot halve)."""
+    messages = _all_reduce_messages(size, numel, "sum")
+    pieces = -(-numel * 4 // size // PIECE_BYTES)
+    assert set(messages.values()) == {rounds if pieces == 1 else rounds * pieces}
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "product"])
+@pytest.mark.parametrize("numel,sent", [(16, 1), (64, 4)])
+def test_a_two_member_all_reduce_goes_direct_where_the_buffer_is_one_piece(numel, sent, op):
+    """16 floats (one piece): one message each way, the whole buffer (the ring's bytes: half of it
+    twice); 64 floats (4 pieces, segments of 2): the ring's 2 messages per piece. Both members end
+    with the same result (rank 1 folds rank 0's copy and its own straight into its tensor)."""
+    assert set(_all_reduce_messages(2, numel, op).values()) == {sent}
+
+
+def _all_reduce_messages(size: int, numel: int, op: str) -> dict[int, int]:
+    """Runs an all_reduce of ``numel`` floats on ``size`` members (nothing counts as small), checks
+    every member's result against the reference; returns the messages each member sent."""
     choice = AlgorithmChoice(direct_max_bytes=0)
     messages = {}
 
@@ -44,13 +61,12 @@ def test_all_reduce_halves_where_the_ring_would_not_pipeline(size, numel, rounds
             messages[comm.rank] = messages.get(comm.rank, 0) + 1
             await send(*args)
         comm.send = counted
-        await choice.allreduce(comm, tensor, reducer_for("sum", tensor.dtype, "t"), "sum")
+        await choice.allreduce(comm, tensor, reducer_for(op, tensor.dtype, "t"), op)
         return tensor
 
-    expected = reference("sum", [data(rank, numel) for rank in range(size)])
+    expected = reference(op, [data(rank, numel) for rank in range(size)])
     assert all(torch.equal(result, expected) for result in run_members(size, member, PIECE_BYTES))
-    pieces = -(-numel * 4 // size // PIECE_BYTES)
-    assert set(messages.values()) == {rounds if pieces == 1 else rounds * pieces}
+    return messages
 
 
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])

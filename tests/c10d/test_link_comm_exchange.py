@@ -8,6 +8,7 @@ import pytest_asyncio
 import torch
 
 from wanlink.c10d.link_comm import LinkComm
+from wanlink.collectives.base import Tasks
 from wanlink.errors import PeerLost
 from tests.support.links import open_pair
 
@@ -91,3 +92,42 @@ async def test_a_cancelled_exchange_gives_its_receives_back(peers):
     out = bytearray(3)
     await asyncio.wait_for(peers[0].client.recv_into(out, tag=TAG), 10)
     assert out == b"abc"
+
+
+async def test_tasks_start_a_linkcomms_messages_at_once_without_a_task_each(peers):
+    """``base.Tasks.send`` / ``recv`` on a LinkComm (the ring's and the chain's messages): the send is
+    queued and the receive posted before the algorithm's first await, no task is made for either,
+    waiting_for names the peer still owing, and both complete."""
+    comm = comm_of(peers)
+    mine, incoming = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    started = []
+
+    async def body(tasks: Tasks) -> None:
+        tasks_before = len(asyncio.all_tasks())
+        started.append(tasks.send(comm, 1, mine, 3))
+        started.append(tasks.recv(comm, 1, incoming, 3))
+        started.append(len(asyncio.all_tasks()) - tasks_before)  # counted before any await
+        assert comm.waiting_for() == [1]
+        got = bytearray(8)
+        await peers[0].accepted.recv_into(got, tag=TAG | 3)
+        assert bytes(got) == mine.numpy().tobytes()
+        await peers[0].accepted.send(b"\x05" * 8, tag=TAG | 3)
+
+    await asyncio.wait_for(Tasks().run(body), 10)
+    assert started[2] == 0 and not any(isinstance(future, asyncio.Task) for future in started[:2])
+    assert torch.equal(incoming, torch.full((8,), 5, dtype=torch.uint8)) and comm.waiting_for() == []
+
+
+async def test_tasks_give_a_receive_posted_without_a_task_back_when_the_algorithm_fails(peers):
+    comm = comm_of(peers)
+
+    async def body(tasks: Tasks) -> None:
+        tasks.recv(comm, 1, torch.zeros(3, dtype=torch.uint8), 0)
+        raise KeyError("the algorithm failed")
+
+    with pytest.raises(KeyError, match="the algorithm failed"):
+        await Tasks().run(body)
+    await peers[0].accepted.send(b"abc", tag=TAG)
+    out = bytearray(3)
+    await asyncio.wait_for(peers[0].client.recv_into(out, tag=TAG), 10)
+    assert out == b"abc"  # not swallowed by the abandoned receive

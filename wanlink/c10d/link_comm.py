@@ -87,6 +87,16 @@ async def _all_done(futures: Sequence[asyncio.Future], several_links: bool) -> N
     raise culprit.exception()
 
 
+def _done() -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
+
+
+def _nothing() -> None:
+    pass
+
+
 class LinkComm(Comm):
     """The ``Comm`` of one collective (or p2p op) of a group whose rank k is ``mesh_ranks[k]`` on ``mesh``."""
 
@@ -97,6 +107,8 @@ class LinkComm(Comm):
         self._borrowed: list[torch.Tensor] = []
         self._waiting: dict[int, int] = {}  # peer -> this comm's unfinished sends and receives with it
         self._exchanges: list[list] = []  # per running ``exchange``: [peer, future or None] per message
+        self._started: list = []  # [peer, future] of each message of start_send / start_recv
+        self._exchanges.append(self._started)
 
     @property
     def mesh(self) -> Mesh:
@@ -162,6 +174,36 @@ class LinkComm(Comm):
             await link.recv_into(as_buffer(tensor), tag=self._base_tag | piece)
         finally:
             waiting[peer] -= 1
+
+    def start_send(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> asyncio.Future | None:
+        """``send`` without a task, where the link to ``peer`` is open (else None: use ``send``): the
+        message is queued now; returns the future ``send`` would await (``base.Tasks.send``)."""
+        link = self._mesh.cached(self._mesh_ranks[peer])
+        if link is None:
+            return None
+        if tensor.numel() == 0:
+            return _done()
+        future = link.start_send(as_buffer(tensor), tag=self._base_tag | piece, deadline=self._deadline,
+                                 until="written")
+        self._started.append([peer, future])
+        return future
+
+    def start_recv(self, peer: int, tensor: torch.Tensor, piece: int = 0) -> tuple | None:
+        """``recv`` without a task, where the link to ``peer`` is open (else None: use ``recv``): the
+        receive is posted now; returns its future and the callable that gives it back (to the next
+        receive on its tag) if nobody will await it (``base.Tasks.recv``)."""
+        link = self._mesh.cached(self._mesh_ranks[peer])
+        if link is None:
+            return None
+        if tensor.numel() == 0:
+            return _done(), _nothing
+        link.hold_frames()  # its grant leaves at the end of this loop iteration, with the chunks queued in it
+        try:
+            entry, future = link.start_recv(as_buffer(tensor), tag=self._base_tag | piece)
+        finally:
+            link.release_frames(after_wakeups=True)
+        self._started.append([peer, future])
+        return future, lambda: link.cancel_recv(entry)
 
     async def exchange(self, sends: Sequence[tuple], receives: Sequence[tuple]) -> None:
         """All of ``receives`` and ``sends`` ((peer, tensor, piece) each) at once, from this task:

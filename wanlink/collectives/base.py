@@ -68,22 +68,47 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
 
 
 class Tasks:
-    """Tasks an algorithm spawned (a ring's piece, receives posted ahead); all awaited at the end,
-    all cancelled on failure."""
+    """What an algorithm started and did not await at once (a ring's sends, receives posted ahead, a
+    piece's helper): all awaited at the end, all cancelled on failure.
+
+    ``send`` and ``recv`` start a message without a task where the Comm can (``start_send`` /
+    ``start_recv``, a process group's ``LinkComm``: the message is queued or the receive posted now,
+    and its future is what is awaited); elsewhere they spawn the Comm's ``send`` / ``recv``."""
 
     def __init__(self) -> None:
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Future] = []
+        self._give_back: list[Callable[[], None]] = []  # for receives posted without a task
 
-    def spawn(self, awaitable) -> asyncio.Task:
+    def spawn(self, awaitable) -> asyncio.Future:
         task = asyncio.ensure_future(awaitable)
         self.tasks.append(task)
         return task
+
+    def send(self, comm: Comm, peer: int, tensor: torch.Tensor, piece: int = 0) -> asyncio.Future:
+        start = getattr(comm, "start_send", None)
+        future = start(peer, tensor, piece) if start is not None else None
+        if future is None:
+            return self.spawn(comm.send(peer, tensor, piece))
+        self.tasks.append(future)
+        return future
+
+    def recv(self, comm: Comm, peer: int, tensor: torch.Tensor, piece: int = 0) -> asyncio.Future:
+        start = getattr(comm, "start_recv", None)
+        posted = start(peer, tensor, piece) if start is not None else None
+        if posted is None:
+            return self.spawn(comm.recv(peer, tensor, piece))
+        future, give_back = posted
+        self.tasks.append(future)
+        self._give_back.append(give_back)
+        return future
 
     async def run(self, body: Callable[["Tasks"], object]) -> None:
         try:
             await body(self)
             await asyncio.gather(*self.tasks)
         except BaseException:
+            for give_back in self._give_back:  # (a receive still posted goes to the next one on its tag)
+                give_back()
             await _cancel(self.tasks)
             raise
 

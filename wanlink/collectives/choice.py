@@ -1,9 +1,8 @@
 """Which algorithm a collective runs: direct exchange (one round) when every member's share is at
 most ``direct_max_bytes``; above it, the site-aware algorithms (collectives/hierarchical.py) when the
 group spans sites where they pay off, else pipelined rings and chains where they pipeline (more
-than one piece), and direct broadcast, all-gather and reduce-scatter or halving all-reduce where
-they would not. AVG is a SUM
-finished by a division."""
+than one piece), and where they would not direct broadcast, all-gather and reduce-scatter, and for
+all-reduce direct exchange (two members) or halving. AVG is a SUM finished by a division."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,15 +47,18 @@ class AlgorithmChoice:
         return self.sites is None and piece_count(block.numel(), block.element_size(), comm.piece_bytes) == 1
 
     async def allreduce(self, comm: Comm, buffer: torch.Tensor, reducer: Reducer, name: str) -> None:
-        """Direct when small; site-aware where that pays; else the pipelined ring, but where its
-        segments are one piece each (no pipelining) and the group is a power of two > 2, recursive
-        halving and doubling: the ring's bytes in 2 log2(n) steps instead of 2(n-1). (For two members
-        both take the same two steps; halving there measured slower at 4 MiB on a 16-core machine:
-        its steps wait for their sends, the ring's do not.)"""
+        """Direct when small; site-aware where that pays; else the pipelined ring, but where it would
+        not pipeline: for two members, a buffer of one piece goes direct (each member sends the other
+        the whole buffer: the ring's bytes, half each way twice, in one round instead of two dependent
+        ones; each member then reduces the whole buffer instead of half, which only the ring's pieces
+        could overlap with the transfer); for a power of two > 2 whose segments are one piece each,
+        recursive halving and doubling: the ring's bytes in 2 log2(n) steps instead of 2(n-1)."""
         if self.is_small(_nbytes(buffer)):
             await direct.allreduce(comm, buffer, reducer)
         elif self.sites is not None:
             await hierarchical.allreduce(comm, self.sites, buffer, reducer)
+        elif comm.size == 2 and piece_count(buffer.numel(), buffer.element_size(), comm.piece_bytes) == 1:
+            await direct.allreduce(comm, buffer, reducer)
         elif comm.size > 2 and halving.usable(comm.size) and \
                 piece_count(-(-buffer.numel() // comm.size), buffer.element_size(), comm.piece_bytes) == 1:
             await halving.allreduce(comm, buffer, reducer)

@@ -18,10 +18,15 @@ from wanlink.errors import DeadlineExceeded, PeerLost
 
 async def _fold_in_rank_order(comm: Comm, reducer: Reducer, contributions: Sequence[torch.Tensor],
                               out: torch.Tensor) -> None:
-    """``out = contributions[0] op contributions[1] op ...`` (``out`` may alias contributions[0])."""
-    if out.data_ptr() != contributions[0].data_ptr() or out.numel() == 0:
+    """``out = contributions[0] op contributions[1] op ...`` (``out`` may alias contributions[0] or
+    contributions[1]: the first step then writes ``c0 op c1`` into it, elementwise, with no copy first)."""
+    rest = contributions[1:]
+    if rest and out.numel() and out.data_ptr() == rest[0].data_ptr():
+        await comm.compute(reducer, contributions[0], rest[0], out)
+        rest = rest[1:]
+    elif out.data_ptr() != contributions[0].data_ptr() or out.numel() == 0:
         out.copy_(contributions[0])
-    for contribution in contributions[1:]:
+    for contribution in rest:
         await comm.compute(reducer, out, contribution)
 
 
@@ -35,10 +40,12 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
 
 
 async def _reduce_in_place(comm: Comm, reducer: Reducer, tensor: torch.Tensor, incoming: dict) -> None:
-    """``tensor`` = reduction, in rank order, of this member's ``tensor`` and the peers' ``incoming``."""
+    """``tensor`` = reduction, in rank order, of this member's ``tensor`` and the peers' ``incoming``.
+    Members 0 and 1 fold straight into ``tensor`` (it is the fold's first or second term); the others
+    fold into member 0's copy, as ``tensor`` is still to be read, and copy the result."""
     me = comm.rank
     contributions = [tensor if k == me else incoming[k] for k in range(comm.size)]
-    if me == 0:
+    if me <= 1:
         await _fold_in_rank_order(comm, reducer, contributions, tensor)
     else:
         accumulator = incoming[0]

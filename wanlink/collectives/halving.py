@@ -27,10 +27,13 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
 
     Every receive is posted at the start, the halving steps' into scratch and the doubling steps'
     straight into the blocks they fill, so a partner's message that comes before this member is
-    ready for it lands in place instead of in staging (a copy more). A block a doubling step fills
-    was sent from in a halving step, and its final sum exists only once the partner received all of
-    that send: nothing this member still sends is overwritten (chunks re-sent after a stream died
-    are dropped there as duplicates), as in the ring.
+    ready for it lands in place instead of in staging (a copy more); on a process group's Comm
+    without a task each (``base.Tasks``), their grants leaving with the first step's chunks. A step
+    waits for its receive, not for its send (as in the ring): a halving step's send reads blocks
+    this member no longer reduces into. A block a doubling step fills was sent from in a halving
+    step, and its final sum exists only once the partner received all of that send: nothing this
+    member still sends is overwritten (chunks re-sent after a stream died are dropped there as
+    duplicates), as in the ring.
     """
     n, me = comm.size, comm.rank
     bounds = piece_bounds(tensor.numel(), n)
@@ -53,16 +56,16 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
 
     async def body(tasks: Tasks) -> None:
         incoming = [comm.empty(blocks(keep).numel(), tensor.dtype) for _partner, keep, _give in halving]
-        halved = [tasks.spawn(comm.recv(partner, incoming[step], step))
+        halved = [tasks.recv(comm, partner, incoming[step], step)
                   for step, (partner, _keep, _give) in enumerate(halving)]
-        gathered = [tasks.spawn(comm.recv(partner, blocks(other), GATHER + step))
+        gathered = [tasks.recv(comm, partner, blocks(other), GATHER + step)
                     for step, (partner, _mine, other) in enumerate(doubling)]
         for step, (partner, keep, give) in enumerate(halving):
-            await comm.send(partner, blocks(give), step)
+            tasks.send(comm, partner, blocks(give), step)
             await halved[step]
             await comm.compute(reducer, blocks(keep), incoming[step])
         for step, (partner, mine, _other) in enumerate(doubling):
-            await comm.send(partner, blocks(mine), GATHER + step)
+            tasks.send(comm, partner, blocks(mine), GATHER + step)
             await gathered[step]
 
     await Tasks().run(body)

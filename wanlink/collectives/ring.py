@@ -88,14 +88,14 @@ async def _reduce_scatter_piece(comm: Comm, pieces: list[list[torch.Tensor]], p:
     sizes = [pieces[(me - step - 2) % n][p].numel() for step in range(steps)]
     slots = min(ROTATING_BUFFERS, steps)
     buffers = await receive_buffers.take()
-    tasks.spawn(comm.send(right, pieces[(me - 1) % n][p], p))
+    tasks.send(comm, right, pieces[(me - 1) % n][p], p)
     receives: dict[int, asyncio.Future] = {}
-    forwards: list[asyncio.Task] = []
+    forwards: list[asyncio.Future] = []
 
-    def post(step: int) -> asyncio.Task:
-        return tasks.spawn(comm.recv(left, buffers[step % slots][: sizes[step]], p))
+    def post(step: int) -> asyncio.Future:
+        return tasks.recv(comm, left, buffers[step % slots][: sizes[step]], p)
 
-    async def post_after(forwarded: asyncio.Task, previous: asyncio.Future | None, step: int) -> asyncio.Task:
+    async def post_after(forwarded: asyncio.Future, previous: asyncio.Future | None, step: int) -> asyncio.Future:
         await forwarded  # the buffer is free again
         if previous is not None:
             await previous  # keep posting in step order
@@ -112,7 +112,7 @@ async def _reduce_scatter_piece(comm: Comm, pieces: list[list[torch.Tensor]], p:
             await comm.compute(reducer, incoming, mine, out)
             break
         await comm.compute(reducer, incoming, mine)
-        forwards.append(tasks.spawn(comm.send(right, incoming, p)))
+        forwards.append(tasks.send(comm, right, incoming, p))
         if step + slots < steps:
             receives[step + slots] = tasks.spawn(post_after(forwards[-1], receives.get(step + slots - 1),
                                                             step + slots))
@@ -161,11 +161,11 @@ async def allreduce(comm: Comm, tensor: torch.Tensor, reducer: Reducer) -> None:
 
     async def run_piece(p: int) -> None:
         async def body(tasks: Tasks) -> None:
-            gathered = [tasks.spawn(comm.recv(left, pieces[(me - step - 1) % n][p], ALL_GATHER + p))
+            gathered = [tasks.recv(comm, left, pieces[(me - step - 1) % n][p], ALL_GATHER + p)
                         for step in range(n - 1)]
             await _reduce_scatter_piece(comm, pieces, p, pieces[me][p], reducer, receive_buffers, tasks)
             for step in range(n - 1):
-                tasks.spawn(comm.send(right, pieces[(me - step) % n][p], ALL_GATHER + p))
+                tasks.send(comm, right, pieces[(me - step) % n][p], ALL_GATHER + p)
                 await gathered[step]
         await Tasks().run(body)
 
@@ -185,10 +185,10 @@ async def all_gather(comm: Comm, segments: Sequence[torch.Tensor]) -> None:
 
     async def run_piece(p: int) -> None:
         async def body(tasks: Tasks) -> None:
-            gathered = [tasks.spawn(comm.recv(left, pieces[(me - step - 1) % n][p], ALL_GATHER + p))
+            gathered = [tasks.recv(comm, left, pieces[(me - step - 1) % n][p], ALL_GATHER + p)
                         for step in range(n - 1)]
             for step in range(n - 1):
-                tasks.spawn(comm.send(right, pieces[(me - step) % n][p], ALL_GATHER + p))
+                tasks.send(comm, right, pieces[(me - step) % n][p], ALL_GATHER + p)
                 await gathered[step]
         await Tasks().run(body)
 
@@ -231,17 +231,17 @@ async def broadcast(comm: Comm, tensor: torch.Tensor, root: int) -> None:
     async def body(tasks: Tasks) -> None:
         received = []
         if position > 0:
-            received = [tasks.spawn(comm.recv(previous, piece, p)) for p, piece in enumerate(pieces)]
-            # spawned after the receives, so it runs once they are posted
-            tasks.spawn(comm.send(previous, torch.ones(1, dtype=torch.uint8), READY))
+            received = [tasks.recv(comm, previous, piece, p) for p, piece in enumerate(pieces)]
+            # started after the receives: it leaves once they are posted
+            tasks.send(comm, previous, torch.ones(1, dtype=torch.uint8), READY)
         if position == n - 1:
             return
-        ready = tasks.spawn(comm.recv(following, torch.empty(1, dtype=torch.uint8), READY))
+        ready = tasks.recv(comm, following, torch.empty(1, dtype=torch.uint8), READY)
         for p, piece in enumerate(pieces):
             if received:
                 await received[p]
             if p == 1:
                 await ready
-            tasks.spawn(comm.send(following, piece, p))
+            tasks.send(comm, following, piece, p)
 
     await Tasks().run(body)

@@ -1,6 +1,7 @@
 """Socket set-up and exact-size reads for wanlink's streams (TCP, or Unix sockets between processes of one host)."""
 from __future__ import annotations
 
+import _socket
 import asyncio
 import dataclasses
 import ipaddress
@@ -265,11 +266,17 @@ _SEND_ROOM_FIELDS = tuple(_TCP_INFO_OFFSETS[name] for name in ("snd_mss", "unack
 _SEND_ROOM_BYTES = max(offset + field.size for offset, field in _SEND_ROOM_FIELDS)
 
 
+_raw_family = _socket.socket.family.__get__
+"""A socket's family as a plain int: ``sock.family`` builds an AddressFamily enum in Python (about
+five calls), too much for what runs for every chunk a link writes."""
+_TCP_FAMILIES = (int(socket.AF_INET), int(socket.AF_INET6))
+
+
 def tcp_send_room(sock: socket.socket) -> int | None:
     """Bytes this TCP socket's congestion window lets leave now: the window less the segments in
     flight and the bytes queued but not sent yet (may be negative). None where unknown (not TCP,
     closed, before 4.6). Reads only these fields: a link asks it for each stream it writes to."""
-    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+    if _raw_family(sock) not in _TCP_FAMILIES:
         return None
     fields = _tcp_info_fields(sock, _SEND_ROOM_FIELDS, _SEND_ROOM_BYTES)
     if fields is None:
