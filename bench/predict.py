@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -54,6 +55,7 @@ BUCKET_CAP_MB = 4
 SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
 PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
 BUSY_WARMUP = SKIP_FIRST  # the profile beside the training's exchanges (each step waits for them): as training
+TRAIN_TIMED_S = 10.0  # training times at least this long (at the busy profile's step time), after SKIP_FIRST
 LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
 LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
@@ -75,12 +77,13 @@ def _busy_iterations(config: dict) -> int:
     as many of them as training does (a median of 4 moved 1.18 to 1.65 s between runs at 80 ms /
     100 Mbit/s where training's mean moved 1 %)."""
     if config["density"] is not None:
-        return 16
+        return 48
     return 12
 
 
 def _iterations(density, rate_mbit) -> int:
-    """Training iterations of a configuration: about 10 s of timed steps (at the rates measured before)."""
+    """Training iterations of a configuration at least (``training_iterations`` adds more where
+    they take less than TRAIN_TIMED_S)."""
     if density is not None:
         return 60
     return 16 if rate_mbit <= 100 else 30 if rate_mbit <= 500 else 50
@@ -167,9 +170,14 @@ def worker(args) -> None:
 
     exchanges = None
     profile = profiled(warmup=PROFILE_WARMUP, iterations=PROFILE_ITERATIONS)
+    marks.append(("profile alone", time.time()))
     exchanges = training_exchanges(dist, torch, profile, config)
     cpu, main_thread = time.process_time(), time.thread_time()
+    sched = [thread_schedstat()]
+    began = time.perf_counter()
     busy = profiled(warmup=BUSY_WARMUP, iterations=_busy_iterations(config), background=exchanges)
+    busy_step_s = (time.perf_counter() - began) / (BUSY_WARMUP + _busy_iterations(config))
+    sched.append(thread_schedstat())
     # the CPU the rank's other threads (wanlink's event loop, its completion thread) spent per step's exchanges
     transport_cpu_s = ((time.process_time() - cpu) - (time.thread_time() - main_thread)) / len(exchanges.seconds)
     marks.append(("profiles", time.time()))
@@ -183,12 +191,14 @@ def worker(args) -> None:
         state = sparse_hook.BlockSparseState(density=config["density"], staleness=config["staleness"], momentum=0.9)
         ddp.register_comm_hook(state, sparse_hook.block_sparse_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.0 if state is not None else 0.9)
+    iterations = training_iterations(config, _agreed_max(dist, torch, busy_step_s))
     dist.barrier()
     marks.append(("DDP", time.time()))  # its construction broadcasts the model's state from rank 0
     seconds, forward, backward = [], [], []
     receive.append(tcp_counters("self", RECEIVE_COUNTERS))
     cpu_begin = time.process_time()
-    for iteration in range(config["iterations"]):
+    sched.append(thread_schedstat())
+    for iteration in range(iterations):
         if iteration == SKIP_FIRST:
             marks.append(("first iterations", time.time()))
         begin = time.perf_counter()
@@ -200,6 +210,7 @@ def worker(args) -> None:
         optimizer.step()
         seconds.append(time.perf_counter() - begin)
     cpu_s = time.process_time() - cpu_begin
+    sched.append(thread_schedstat())
     marks.append(("timed iterations", time.time()))
     receive.append(tcp_counters("self", RECEIVE_COUNTERS))
     if state is not None and state.flush():
@@ -216,8 +227,43 @@ def worker(args) -> None:
                                              "busy_exchange_s": statistics.median(exchanges.seconds[BUSY_WARMUP:]),
                                              "busy_exchange_steps_s": exchanges.seconds[BUSY_WARMUP:],
                                              "busy_launch_offsets_s": offsets, "marks": marks,
-                                             "receive_counters": receive_counters}))
+                                             "receive_counters": receive_counters, "busy_step_s": busy_step_s,
+                                             "schedstat": {"busy": _delta(*sched[:2]), "training": _delta(*sched[2:]),
+                                                           "busy_steps": _busy_iterations(config) + BUSY_WARMUP}}))
     dist.destroy_process_group()
+
+
+def training_iterations(config: dict, step_s: float) -> int:
+    """Training iterations: the configuration's count, or more where its timed steps (at ``step_s``
+    each, the busy profile's) would last less than TRAIN_TIMED_S: the mean period of a few seconds
+    moved 5 to 7 % between runs (the 20 to 30 ms rows timed 1.4 s)."""
+    return SKIP_FIRST + max(config["iterations"] - SKIP_FIRST, math.ceil(TRAIN_TIMED_S / step_s))
+
+
+def _agreed_max(dist, torch, value: float) -> float:
+    """The largest of the ranks' ``value`` (every rank calls it)."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def thread_schedstat() -> dict[str, list[int]]:
+    """This process's threads' (CPU ns, ns waiting runnable on a run queue): the training (calling)
+    thread's, and all threads' together (/proc/self/task/*/schedstat)."""
+    import threading
+
+    def read(tid):
+        try:
+            return [int(v) for v in Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:2]]
+        except OSError:  # a thread that ended between the listing and the read
+            return [0, 0]
+
+    threads = [read(tid) for tid in os.listdir("/proc/self/task")]
+    return {"main": read(threading.get_native_id()), "all": [sum(t[i] for t in threads) for i in range(2)]}
+
+
+def _delta(before: dict, after: dict) -> dict[str, list[int]]:
+    return {key: [b - a for a, b in zip(before[key], after[key])] for key in before}
 
 
 def _median_offsets(steps: list[dict]) -> dict[str, float]:
@@ -421,11 +467,19 @@ def tcp_counters(pid: int | str, counters: tuple[str, ...] = TCP_COUNTERS) -> tu
     return tuple(int(values[names.index(name)]) for name in counters)
 
 
+def host_cpu_ticks() -> tuple[int, int, int]:
+    """The host's CPU time so far in clock ticks (/proc/stat, all cores): at nice > 0 (other
+    sessions' jobs: they run at nice 19, the bench at 0), idle (with I/O wait), and in all."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return fields[1], fields[3] + fields[4], sum(fields)
+
+
 class DropSampler:
     """What a configuration lost, sampled every DROP_SAMPLE_S in a thread, stamped with the wall
     clock the ranks' phase marks use (``phase_counts`` says which phase lost what): the emulator's
-    dropped segments (its queues' and random loss) per direction "ab", "ba", and, once ``watch``
-    names a process in each namespace, their TCP_COUNTERS (the senders' timeouts, then probes)."""
+    dropped segments (its queues' and random loss) per direction "ab", "ba", once ``watch`` names
+    a process in each namespace, their TCP_COUNTERS (the senders' timeouts, then probes), and the
+    host's CPU ticks (``host_cpu_ticks``: niced, idle, all)."""
 
     def __init__(self, path):
         import threading
@@ -447,7 +501,7 @@ class DropSampler:
         except OSError:  # a rank has exited: its namespace's last counters stay
             pass
         self.samples.append((time.time(), *(stats[d]["drop_queue"] + stats[d]["drop_loss"] for d in ("ab", "ba")),
-                             *self._tcp))
+                             *self._tcp, *host_cpu_ticks()))
 
     def _run(self) -> None:
         while not self._stop.wait(DROP_SAMPLE_S):
@@ -514,11 +568,15 @@ def measure(path, config: dict, port: int) -> dict:
             "per_rank_busy_exchange_s": [r["busy_exchange_s"] for r in results],
             "per_rank_busy_exchange_steps_s": [r["busy_exchange_steps_s"] for r in results],
             "per_rank_busy_launch_offsets_s": [r["busy_launch_offsets_s"] for r in results],
-            "marks": results[0]["marks"], "receive_counters": [r["receive_counters"] for r in results]}
+            "marks": results[0]["marks"], "receive_counters": [r["receive_counters"] for r in results],
+            "iterations": len(results[0]["seconds"]), "busy_step_s": [r["busy_step_s"] for r in results],
+            "schedstat": [r["schedstat"] for r in results]}
     counts = phase_counts(drops.samples, results[0]["marks"])
+    tcp = 2 + 2 * len(TCP_COUNTERS)
     row.update(drops={phase: c[:2] for phase, c in counts.items()},  # segments, per direction (ab, ba)
-               timeouts={phase: c[2::2] for phase, c in counts.items()},  # TCP's, per namespace (a, b)
-               loss_probes={phase: c[3::2] for phase, c in counts.items()})
+               timeouts={phase: c[2:tcp:2] for phase, c in counts.items()},  # TCP's, per namespace (a, b)
+               loss_probes={phase: c[3:tcp:2] for phase, c in counts.items()},
+               host_cpu_ticks={phase: c[tcp:] for phase, c in counts.items()})  # niced, idle, all
     return {**row, **measured(row, SKIP_FIRST)}
 
 
@@ -810,6 +868,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="merge this call's rows into <out>/<name>.json (rows of the same name are replaced), "
                              "so that the configurations can be measured in several short calls")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure each configuration this many times in a row (a noise study: the later "
+                             "ones are saved as '<name> (repeat K)')")
     parser.add_argument("--from", dest="source", type=Path,
                         help="the saved rows to read with --predict-only / --append (default <out>/<name>.json)")
     parser.add_argument("--allocation", action="store_true",
@@ -854,10 +915,14 @@ def main(argv: list[str] | None = None) -> int:
             link_mbit = run_wanlink(path, LINK_STREAMS, LINK_SECONDS, None)["gbps"] * 1e3
             print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s",
                   flush=True)
-            for config in [c for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)]:
+            for config, repeat in [(c, k) for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)
+                                   for k in range(args.repeat)]:
                 started = time.monotonic()
                 row = measure(path, config, 29700 + len(rows))
-                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit)
+                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit,
+                           configuration=config["name"])
+                if repeat:
+                    row["name"] = f"{config['name']} (repeat {repeat + 1})"
                 rows.append(row)
                 lone = ", ".join(f"{int(size) >> 10} KiB {seconds * 1e3:.0f} ms"
                                  for size, seconds in row["lone_allreduce_s"].items())
@@ -871,8 +936,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.append and Path(saved_file).exists():  # this call's rows replace the saved ones of the same name
         saved = json.loads(Path(saved_file).read_text())
         calls = _calls(saved["load"]) + calls
-        rows += [r for r in saved["rows"] if r["name"] not in {c["name"] for c in chosen}]
-        rows.sort(key=lambda r: [c["name"] for c in CONFIGS].index(r["name"]))
+        rows += [r for r in saved["rows"] if r.get("configuration", r["name"]) not in {c["name"] for c in chosen}]
+        rows.sort(key=lambda r: [c["name"] for c in CONFIGS].index(r.get("configuration", r["name"])))
     report(run, rows, calls if args.append else load, args.name)
     return 0
 
