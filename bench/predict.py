@@ -55,6 +55,7 @@ BUCKET_CAP_MB = 4
 SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
 PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
 BUSY_WARMUP = SKIP_FIRST  # the profile beside the training's exchanges (each step waits for them): as training
+BUSY_STEPS, BUSY_TIMED_S = 12, 6.0  # the busy profile's timed steps: at least 12, about 6 s (busy_iterations)
 TRAIN_TIMED_S = 10.0  # training times at least this long (at the busy profile's step time), after SKIP_FIRST
 LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
 LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
@@ -69,16 +70,17 @@ def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8
             "iterations": iterations or _iterations(density, rate_mbit)}
 
 
-def _busy_iterations(config: dict) -> int:
-    """Timed steps of the busy profile: each lasts as long as its exchanges (up to 1.7 s dense at
-    100 Mbit/s), after as many warm-up steps as training skips. Dense exchanges on paths that drop
-    segments take 0.6 to 2x their mean from one step to the next (a loss and its recovery), and the
-    first after the lone all-reduces up to 3x (traced: docs/plan.md), so the calibration times about
-    as many of them as training does (a median of 4 moved 1.18 to 1.65 s between runs at 80 ms /
-    100 Mbit/s where training's mean moved 1 %)."""
-    if config["density"] is not None:
-        return 48
-    return 12
+def busy_iterations(profile, lone_s: dict[str, float], density) -> int:
+    """Timed steps of the busy profile (after as many warm-up steps as training skips): at least
+    BUSY_STEPS, and as many as last about BUSY_TIMED_S at the step time ``profile`` (alone) and the
+    lone all-reduces (``lone_s``: bytes -> seconds) suggest, since the exchanges' time per step has
+    rare long steps (a loss and its recovery, a stalled stream: 0.28 s steps with one of 0.92 s at
+    80 ms / 2000 Mbit/s), whose count in a short sample moves its mean (12 steps: 8 % from one)."""
+    if density is None:  # the buckets' bytes at the 4 MiB all-reduce's rate
+        exchange = sum(b.bytes for b in profile.buckets) / (4 << 20) * lone_s[str(4 << 20)]
+    else:  # one direct exchange per bucket
+        exchange = len(profile.buckets) * lone_s[str(64 << 10)]
+    return max(BUSY_STEPS, math.ceil(BUSY_TIMED_S / (profile.compute_s + exchange)))
 
 
 def _iterations(density, rate_mbit) -> int:
@@ -172,11 +174,13 @@ def worker(args) -> None:
     profile = profiled(warmup=PROFILE_WARMUP, iterations=PROFILE_ITERATIONS)
     marks.append(("profile alone", time.time()))
     exchanges = training_exchanges(dist, torch, profile, config)
+    busy_steps = int(_agreed_max(dist, torch, busy_iterations(profile, probe_s, config["density"])))
     cpu, main_thread = time.process_time(), time.thread_time()
     sched = [thread_schedstat()]
     began = time.perf_counter()
-    busy = profiled(warmup=BUSY_WARMUP, iterations=_busy_iterations(config), background=exchanges)
-    busy_step_s = (time.perf_counter() - began) / (BUSY_WARMUP + _busy_iterations(config))
+    busy = profiled(warmup=BUSY_WARMUP, iterations=busy_steps, background=exchanges)
+    exchanges.drain()
+    busy_step_s = (time.perf_counter() - began) / (BUSY_WARMUP + busy_steps)
     sched.append(thread_schedstat())
     # the CPU the rank's other threads (wanlink's event loop, its completion thread) spent per step's exchanges
     transport_cpu_s = ((time.process_time() - cpu) - (time.thread_time() - main_thread)) / len(exchanges.seconds)
@@ -229,7 +233,7 @@ def worker(args) -> None:
                                              "busy_launch_offsets_s": offsets, "marks": marks,
                                              "receive_counters": receive_counters, "busy_step_s": busy_step_s,
                                              "schedstat": {"busy": _delta(*sched[:2]), "training": _delta(*sched[2:]),
-                                                           "busy_steps": _busy_iterations(config) + BUSY_WARMUP}}))
+                                                           "busy_steps": busy_steps + BUSY_WARMUP}}))
     dist.destroy_process_group()
 
 
@@ -277,7 +281,11 @@ def training_exchanges(dist, torch, profile, config: dict):
     step's exchanges), ``start.launch(index)`` launches bucket ``index``'s collective (an
     all-reduce of the bucket dense, an all-gather of its sparse message, asynchronously), called
     by the profile's comm hook the moment DDP hands the bucket over, as in training. So the busy
-    profile times compute beside the transport's CPU as training runs it. Per step,
+    profile times compute beside the transport's CPU as training runs it. A step waits for the
+    exchanges of the step ``staleness`` before it, as training's optimizer step does (with
+    staleness 1 the ranks compute without a pause, beside the previous step's exchange: waiting
+    for each step's own exchanges gave their compute idle cores that training does not have);
+    ``start.drain()`` waits for those still in flight after the last step. Per step,
     ``start.seconds`` collects how long its exchanges took (first launch to the last one's end)
     and ``start.offsets`` each bucket's launch after the first: the link's calibration under
     training's conditions."""
@@ -297,29 +305,38 @@ def training_exchanges(dist, torch, profile, config: dict):
         def collective(index):
             return _all_gather_single(*pairs[index], async_op=True)
 
-    step = {"launched": {}, "works": [], "ends": []}
+    in_flight = []  # the steps whose exchanges are not yet waited for, oldest first
 
     def launch(index):
+        step = in_flight[-1]
         step["launched"][index] = time.perf_counter()
         work = collective(index)
-        work.get_future().then(lambda _f: step["ends"].append(time.perf_counter()))
+        work.get_future().then(lambda _f, ends=step["ends"]: ends.append(time.perf_counter()))
         step["works"].append(work)
 
+    def wait(step):
+        for work in step["works"]:
+            work.wait()
+        while len(step["ends"]) < len(step["works"]):  # the callbacks run on wanlink's completion thread
+            time.sleep(0.0005)
+        first = min(step["launched"].values())
+        start.seconds.append(max(step["ends"]) - first)
+        start.offsets.append({index: moment - first for index, moment in step["launched"].items()})
+
     def start():
-        step.update(launched={}, works=[], ends=[])
+        in_flight.append({"launched": {}, "works": [], "ends": []})
 
         def finish():
-            for work in step["works"]:
-                work.wait()
-            while len(step["ends"]) < len(step["works"]):  # the callbacks run on wanlink's completion thread
-                time.sleep(0.0005)
-            first = min(step["launched"].values())
-            start.seconds.append(max(step["ends"]) - first)
-            start.offsets.append({index: moment - first for index, moment in step["launched"].items()})
+            while len(in_flight) > config["staleness"]:
+                wait(in_flight.pop(0))
 
         return finish
 
-    start.launch, start.seconds, start.offsets = launch, [], []
+    def drain():
+        while in_flight:
+            wait(in_flight.pop(0))
+
+    start.launch, start.drain, start.seconds, start.offsets = launch, drain, [], []
     return start
 
 
