@@ -76,8 +76,8 @@ def busy_iterations(profile, lone_s: dict[str, float], density) -> int:
     lone all-reduces (``lone_s``: bytes -> seconds) suggest, since the exchanges' time per step has
     rare long steps (a loss and its recovery, a stalled stream: 0.28 s steps with one of 0.92 s at
     80 ms / 2000 Mbit/s), whose count in a short sample moves its mean (12 steps: 8 % from one)."""
-    if density is None:  # the buckets' bytes at the 4 MiB all-reduce's rate
-        exchange = sum(b.bytes for b in profile.buckets) / (4 << 20) * lone_s[str(4 << 20)]
+    if density is None:  # the buckets side by side, each at the 4 MiB all-reduce's rate
+        exchange = max(b.bytes for b in profile.buckets) / (4 << 20) * lone_s[str(4 << 20)]
     else:  # one direct exchange per bucket
         exchange = len(profile.buckets) * lone_s[str(64 << 10)]
     return max(BUSY_STEPS, math.ceil(BUSY_TIMED_S / (profile.compute_s + exchange)))
@@ -275,6 +275,12 @@ def _median_offsets(steps: list[dict]) -> dict[str, float]:
     return {str(index): statistics.median(step[index] for step in steps if index in step) for index in steps[-1]}
 
 
+def _stamp(done, ends: list) -> None:
+    """On wanlink's completion thread: when an exchange (and its decode) ended; raises what it raised."""
+    done.value()
+    ends.append(time.perf_counter())
+
+
 def training_exchanges(dist, torch, profile, config: dict):
     """The exchanges one training step makes, for the busy profile: ``start`` is
     ``profile_model``'s ``background`` (called as each step begins, it returns the wait for the
@@ -288,43 +294,50 @@ def training_exchanges(dist, torch, profile, config: dict):
     ``start.drain()`` waits for those still in flight after the last step. Per step,
     ``start.seconds`` collects how long its exchanges took (first launch to the last one's end)
     and ``start.offsets`` each bucket's launch after the first: the link's calibration under
-    training's conditions."""
-    from wanlink.c10d.sparse_hook import _all_gather_single
+    training's conditions. A sparse exchange carries a block-COO message of the bucket (the
+    rank's own, sparsified from random values once) and ends, as the sparse hook's does, once every
+    rank's message is decoded and averaged into a bucket-sized buffer on wanlink's completion
+    thread: CPU the hook over the profile's one-rank group never spends (one message there)."""
+    from wanlink.c10d.sparse_hook import _all_gather_single, _BucketCodec
     from wanlink.plan.choice import Choice, bucket_message_bytes
 
-    sizes = bucket_message_bytes(profile, Choice(density=config["density"]))
     world = config["ranks"]
     if config["density"] is None:
-        tensors = [torch.ones(size // 4) for size in sizes]
+        tensors = [torch.ones(size // 4) for size in bucket_message_bytes(profile, Choice())]
 
         def collective(index):
-            return dist.all_reduce(tensors[index], async_op=True)
+            return dist.all_reduce(tensors[index], async_op=True).get_future()
     else:
-        pairs = [(torch.empty(world * size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)) for size in sizes]
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        codecs = [_BucketCodec(list(bucket.numels), config["density"]) for bucket in profile.buckets]
+        messages = [codec.encode(torch.randn(sum(codec.numels), generator=generator)) for codec in codecs]
+        gathered = [torch.empty(world * message.numel(), dtype=torch.uint8) for message in messages]
+        outs = [torch.empty(sum(codec.numels)) for codec in codecs]
 
         def collective(index):
-            return _all_gather_single(*pairs[index], async_op=True)
+            codec = codecs[index]
+            work = _all_gather_single(gathered[index], messages[index], async_op=True)
+            if config["staleness"]:  # the hook's decode: into the next of the bucket's two result buffers
+                result = codec.next_result()
+                return work.get_future().then(lambda _f: result.fill(codec, gathered[index], world))
+            return work.get_future().then(lambda _f: codec.average_into(gathered[index], world, outs[index]))
 
     in_flight = []  # the steps whose exchanges are not yet waited for, oldest first
 
     def launch(index):
         step = in_flight[-1]
         step["launched"][index] = time.perf_counter()
-        work = collective(index)
-        work.get_future().then(lambda _f, ends=step["ends"]: ends.append(time.perf_counter()))
-        step["works"].append(work)
+        step["done"].append(collective(index).then(lambda done: _stamp(done, step["ends"])))
 
     def wait(step):
-        for work in step["works"]:
-            work.wait()
-        while len(step["ends"]) < len(step["works"]):  # the callbacks run on wanlink's completion thread
-            time.sleep(0.0005)
+        for done in step["done"]:
+            done.wait()
         first = min(step["launched"].values())
         start.seconds.append(max(step["ends"]) - first)
         start.offsets.append({index: moment - first for index, moment in step["launched"].items()})
 
     def start():
-        in_flight.append({"launched": {}, "works": [], "ends": []})
+        in_flight.append({"launched": {}, "done": [], "ends": []})
 
         def finish():
             while len(in_flight) > config["staleness"]:
