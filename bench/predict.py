@@ -589,7 +589,7 @@ def measure(path, config: dict, port: int) -> dict:
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
             "train_backward_s": [statistics.median(r["backward"][SKIP_FIRST:]) for r in results],
             "rank_cpu_s_per_iteration": [r["cpu_s"] / len(r["seconds"]) for r in results],
-            "emulator_cores": emulator_cores, "host_cores": os.cpu_count(),
+            "emulator_cores": emulator_cores, "host_cores": os.cpu_count(), "bench_nice_zero": os.nice(0) == 0,
             # the slowest rank's view (as measured_s): the rank that leaves the barrier first waits longest
             "lone_allreduce_s": {size: max(r["lone_allreduce_s"][size] for r in results)
                                  for size in results[0]["lone_allreduce_s"]},
@@ -635,11 +635,25 @@ def lan_rate(source: Path = LOOPBACK_UNIX) -> str:
 
 def site_cores(row: dict) -> float | None:
     """Cores each namespace's ranks have: the two sites share the host's cores, less what the
-    emulator used during the configuration (None for rows whose profiles lack their CPU time,
-    measured since 2026-11-26 14:30)."""
+    emulator used during the configuration and what other processes took during the busy profile
+    (``others_cores``; None for rows whose profiles lack their CPU time, measured since 2026-11-26
+    14:30)."""
     if "host_cores" not in row or not all(doc.get("cpu_s") for doc in row["profiles"]):
         return None  # without the profiles' CPU time their wall time (shared cores) would count twice
-    return max(row["host_cores"] - row["emulator_cores"], 0.1) / 2
+    return max(row["host_cores"] - row["emulator_cores"] - others_cores(row), 0.1) / 2
+
+
+def others_cores(row: dict) -> float:
+    """The cores other processes took while the ranks ran the busy profile (all of them busy, in
+    training's rhythm, before training): the host's CPU at nice > 0 in that phase. On this shared
+    machine other sessions' jobs run at nice 19; at that weight they still took 0.2 of the 2 cores
+    beside two staleness-1 ranks (2026-11-27 00:57, load 6-9), as much in training as in the busy
+    profile. 0 for rows measured before 2026-11-27 and for a bench run niced itself (then the
+    ranks' own CPU is niced)."""
+    if not row.get("bench_nice_zero") or "profiles" not in row.get("host_cpu_ticks", {}):
+        return 0.0
+    nice, _idle, total = row["host_cpu_ticks"]["profiles"]
+    return row["host_cores"] * nice / total if total else 0.0
 
 
 def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
@@ -744,6 +758,7 @@ def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP
         row.update(measured(row, skip))  # rows saved before 2026-11-26 14:10 held the median
         row.update(predict(row))
         row["fine_error_pct"], row["coarse_error_pct"] = 100 * row["fine_error"], 100 * row["coarse_error"]
+        row["others_cores"] = others_cores(row)
         row["profile_only_fine_error_pct"] = 100 * row["profile_only_fine_error"]
         row["iperf_fine_error_pct"] = 100 * row["iperf_fine_error"]
         row["uncontended_fine_error_pct"] = 100 * (row["uncontended_fine_s"] / row["measured_s"] - 1)
@@ -756,7 +771,8 @@ def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP
     print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
                        ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
                        ("running_compute_s", "running compute s", ".3f"), ("comm_slowdown", "busy/alone", ".2f"),
-                       ("emulator_cores", "emulator cores", ".2f"), ("measured_s", "measured s", ".3f"),
+                       ("emulator_cores", "emulator cores", ".2f"), ("others_cores", "others' cores", ".2f"),
+                       ("measured_s", "measured s", ".3f"),
                        ("halves_spread_pct", "halves %", ".1f"),
                        ("dropped_before", "dropped before", "d"), ("dropped_timed", "dropped timed", "d"),
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
