@@ -7,14 +7,16 @@ configuration's ranks measure every input the models read, all at once so that t
 as in training: the calibration (two 16 MiB all-reduces warm the link, then lone all-reduces of
 64 KiB, 1 MiB and 4 MiB take turns; the ranks' mean time counts), the profile of the step alone
 (``profile_model`` through DDP and the hook over a one-rank group, 20 steps), and the same profile
-beside the training's exchanges (each bucket's collective over the real group launched as DDP
-hands the bucket to the hook, waited for at the step's end): that gives ``comm_slowdown``, the
-time the exchanges took beside compute (which joins the calibration), and the CPU the rank's
-transport threads spent per step. Then they train; the mean period of the slowest rank's
-iterations (the first 5 discarded) is compared with the coarse and fine models, given the path's settings
+beside the training's exchanges (about 6 s of steps; each bucket's collective over the real group
+launched as DDP hands the bucket to the hook, a sparse one decoded as the hook does, waited for
+``staleness`` steps later as training does): that gives ``comm_slowdown``, the time the exchanges
+took beside compute (which joins the calibration), and the CPU the rank's transport threads spent
+per step. Then they train; the mean period of the slowest rank's iterations (the first 5
+discarded, at least 10 s of them) is compared with the coarse and fine models, given the path's settings
 (RTT, rate, the emulator's 1536 KiB window per flow, the stream count), the path's efficiency and
 per-step send overhead fitted to the calibration (``calibrate_link``, never to the training
-iterations), and per namespace half the host's cores less the emulator's measured share. Two more
+iterations), and per namespace half the host's cores less the emulator's measured share and what
+other (niced) processes took during the busy profile. Two more
 columns: the nominal link, and the goodput wanlink-iperf measured (8 streams, 4 s, before the
 path's configurations), as a probe would give it.
 
