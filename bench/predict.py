@@ -7,14 +7,16 @@ configuration's ranks measure every input the models read, all at once so that t
 as in training: the calibration (two 16 MiB all-reduces warm the link, then lone all-reduces of
 64 KiB, 1 MiB and 4 MiB take turns; the ranks' mean time counts), the profile of the step alone
 (``profile_model`` through DDP and the hook over a one-rank group, 20 steps), and the same profile
-beside the training's exchanges (each bucket's collective over the real group launched as DDP
-hands the bucket to the hook, waited for at the step's end): that gives ``comm_slowdown``, the
-time the exchanges took beside compute (which joins the calibration), and the CPU the rank's
-transport threads spent per step. Then they train; the mean period of the slowest rank's
-iterations (the first 5 discarded) is compared with the coarse and fine models, given the path's settings
+beside the training's exchanges (about 6 s of steps; each bucket's collective over the real group
+launched as DDP hands the bucket to the hook, a sparse one decoded as the hook does, waited for
+``staleness`` steps later as training does): that gives ``comm_slowdown``, the time the exchanges
+took beside compute (which joins the calibration), and the CPU the rank's transport threads spent
+per step. Then they train; the mean period of the slowest rank's iterations (the first 5
+discarded, at least 10 s of them) is compared with the coarse and fine models, given the path's settings
 (RTT, rate, the emulator's 1536 KiB window per flow, the stream count), the path's efficiency and
 per-step send overhead fitted to the calibration (``calibrate_link``, never to the training
-iterations), and per namespace half the host's cores less the emulator's measured share. Two more
+iterations), and per namespace half the host's cores less the emulator's measured share and what
+other (niced) processes took during the busy profile. Two more
 columns: the nominal link, and the goodput wanlink-iperf measured (8 streams, 4 s, before the
 path's configurations), as a probe would give it.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -54,6 +57,8 @@ BUCKET_CAP_MB = 4
 SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
 PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
 BUSY_WARMUP = SKIP_FIRST  # the profile beside the training's exchanges (each step waits for them): as training
+BUSY_STEPS, BUSY_TIMED_S = 12, 6.0  # the busy profile's timed steps: at least 12, about 6 s (busy_iterations)
+TRAIN_TIMED_S = 10.0  # training times at least this long (at the busy profile's step time), after SKIP_FIRST
 LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
 LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
@@ -67,20 +72,22 @@ def _config(name, ranks, rtt_ms, rate_mbit, density=None, staleness=0, streams=8
             "iterations": iterations or _iterations(density, rate_mbit)}
 
 
-def _busy_iterations(config: dict) -> int:
-    """Timed steps of the busy profile: each lasts as long as its exchanges (up to 1.7 s dense at
-    100 Mbit/s), after as many warm-up steps as training skips. Dense exchanges on paths that drop
-    segments take 0.6 to 2x their mean from one step to the next (a loss and its recovery), and the
-    first after the lone all-reduces up to 3x (traced: docs/plan.md), so the calibration times about
-    as many of them as training does (a median of 4 moved 1.18 to 1.65 s between runs at 80 ms /
-    100 Mbit/s where training's mean moved 1 %)."""
-    if config["density"] is not None:
-        return 16
-    return 12
+def busy_iterations(profile, lone_s: dict[str, float], density) -> int:
+    """Timed steps of the busy profile (after as many warm-up steps as training skips): at least
+    BUSY_STEPS, and as many as last about BUSY_TIMED_S at the step time ``profile`` (alone) and the
+    lone all-reduces (``lone_s``: bytes -> seconds) suggest, since the exchanges' time per step has
+    rare long steps (a loss and its recovery, a stalled stream: 0.28 s steps with one of 0.92 s at
+    80 ms / 2000 Mbit/s), whose count in a short sample moves its mean (12 steps: 8 % from one)."""
+    if density is None:  # the buckets side by side, each at the 4 MiB all-reduce's rate
+        exchange = max(b.bytes for b in profile.buckets) / (4 << 20) * lone_s[str(4 << 20)]
+    else:  # one direct exchange per bucket
+        exchange = len(profile.buckets) * lone_s[str(64 << 10)]
+    return max(BUSY_STEPS, math.ceil(BUSY_TIMED_S / (profile.compute_s + exchange)))
 
 
 def _iterations(density, rate_mbit) -> int:
-    """Training iterations of a configuration: about 10 s of timed steps (at the rates measured before)."""
+    """Training iterations of a configuration at least (``training_iterations`` adds more where
+    they take less than TRAIN_TIMED_S)."""
     if density is not None:
         return 60
     return 16 if rate_mbit <= 100 else 30 if rate_mbit <= 500 else 50
@@ -167,9 +174,16 @@ def worker(args) -> None:
 
     exchanges = None
     profile = profiled(warmup=PROFILE_WARMUP, iterations=PROFILE_ITERATIONS)
+    marks.append(("profile alone", time.time()))
     exchanges = training_exchanges(dist, torch, profile, config)
+    busy_steps = int(_agreed_max(dist, torch, busy_iterations(profile, probe_s, config["density"])))
     cpu, main_thread = time.process_time(), time.thread_time()
-    busy = profiled(warmup=BUSY_WARMUP, iterations=_busy_iterations(config), background=exchanges)
+    sched = [thread_schedstat()]
+    began = time.perf_counter()
+    busy = profiled(warmup=BUSY_WARMUP, iterations=busy_steps, background=exchanges)
+    exchanges.drain()
+    busy_step_s = (time.perf_counter() - began) / (BUSY_WARMUP + busy_steps)
+    sched.append(thread_schedstat())
     # the CPU the rank's other threads (wanlink's event loop, its completion thread) spent per step's exchanges
     transport_cpu_s = ((time.process_time() - cpu) - (time.thread_time() - main_thread)) / len(exchanges.seconds)
     marks.append(("profiles", time.time()))
@@ -183,12 +197,14 @@ def worker(args) -> None:
         state = sparse_hook.BlockSparseState(density=config["density"], staleness=config["staleness"], momentum=0.9)
         ddp.register_comm_hook(state, sparse_hook.block_sparse_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.0 if state is not None else 0.9)
+    iterations = training_iterations(config, _agreed_max(dist, torch, busy_step_s))
     dist.barrier()
     marks.append(("DDP", time.time()))  # its construction broadcasts the model's state from rank 0
     seconds, forward, backward = [], [], []
     receive.append(tcp_counters("self", RECEIVE_COUNTERS))
     cpu_begin = time.process_time()
-    for iteration in range(config["iterations"]):
+    sched.append(thread_schedstat())
+    for iteration in range(iterations):
         if iteration == SKIP_FIRST:
             marks.append(("first iterations", time.time()))
         begin = time.perf_counter()
@@ -200,6 +216,7 @@ def worker(args) -> None:
         optimizer.step()
         seconds.append(time.perf_counter() - begin)
     cpu_s = time.process_time() - cpu_begin
+    sched.append(thread_schedstat())
     marks.append(("timed iterations", time.time()))
     receive.append(tcp_counters("self", RECEIVE_COUNTERS))
     if state is not None and state.flush():
@@ -216,13 +233,54 @@ def worker(args) -> None:
                                              "busy_exchange_s": statistics.median(exchanges.seconds[BUSY_WARMUP:]),
                                              "busy_exchange_steps_s": exchanges.seconds[BUSY_WARMUP:],
                                              "busy_launch_offsets_s": offsets, "marks": marks,
-                                             "receive_counters": receive_counters}))
+                                             "receive_counters": receive_counters, "busy_step_s": busy_step_s,
+                                             "schedstat": {"busy": _delta(*sched[:2]), "training": _delta(*sched[2:]),
+                                                           "busy_steps": busy_steps + BUSY_WARMUP}}))
     dist.destroy_process_group()
+
+
+def training_iterations(config: dict, step_s: float) -> int:
+    """Training iterations: the configuration's count, or more where its timed steps (at ``step_s``
+    each, the busy profile's) would last less than TRAIN_TIMED_S: the mean period of a few seconds
+    moved 5 to 7 % between runs (the 20 to 30 ms rows timed 1.4 s)."""
+    return SKIP_FIRST + max(config["iterations"] - SKIP_FIRST, math.ceil(TRAIN_TIMED_S / step_s))
+
+
+def _agreed_max(dist, torch, value: float) -> float:
+    """The largest of the ranks' ``value`` (every rank calls it)."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def thread_schedstat() -> dict[str, list[int]]:
+    """This process's threads' (CPU ns, ns waiting runnable on a run queue): the training (calling)
+    thread's, and all threads' together (/proc/self/task/*/schedstat)."""
+    import threading
+
+    def read(tid):
+        try:
+            return [int(v) for v in Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:2]]
+        except OSError:  # a thread that ended between the listing and the read
+            return [0, 0]
+
+    threads = [read(tid) for tid in os.listdir("/proc/self/task")]
+    return {"main": read(threading.get_native_id()), "all": [sum(t[i] for t in threads) for i in range(2)]}
+
+
+def _delta(before: dict, after: dict) -> dict[str, list[int]]:
+    return {key: [b - a for a, b in zip(before[key], after[key])] for key in before}
 
 
 def _median_offsets(steps: list[dict]) -> dict[str, float]:
     """Median launch offset of every bucket over the busy profile's timed steps (JSON keys)."""
     return {str(index): statistics.median(step[index] for step in steps if index in step) for index in steps[-1]}
+
+
+def _stamp(done, ends: list) -> None:
+    """On wanlink's completion thread: when an exchange (and its decode) ended; raises what it raised."""
+    done.value()
+    ends.append(time.perf_counter())
 
 
 def training_exchanges(dist, torch, profile, config: dict):
@@ -231,49 +289,69 @@ def training_exchanges(dist, torch, profile, config: dict):
     step's exchanges), ``start.launch(index)`` launches bucket ``index``'s collective (an
     all-reduce of the bucket dense, an all-gather of its sparse message, asynchronously), called
     by the profile's comm hook the moment DDP hands the bucket over, as in training. So the busy
-    profile times compute beside the transport's CPU as training runs it. Per step,
+    profile times compute beside the transport's CPU as training runs it. A step waits for the
+    exchanges of the step ``staleness`` before it, as training's optimizer step does (with
+    staleness 1 the ranks compute without a pause, beside the previous step's exchange: waiting
+    for each step's own exchanges gave their compute idle cores that training does not have);
+    ``start.drain()`` waits for those still in flight after the last step. Per step,
     ``start.seconds`` collects how long its exchanges took (first launch to the last one's end)
     and ``start.offsets`` each bucket's launch after the first: the link's calibration under
-    training's conditions."""
-    from wanlink.c10d.sparse_hook import _all_gather_single
+    training's conditions. A sparse exchange carries a block-COO message of the bucket (the
+    rank's own, sparsified from random values once) and ends, as the sparse hook's does, once every
+    rank's message is decoded and averaged into a bucket-sized buffer on wanlink's completion
+    thread: CPU the hook over the profile's one-rank group never spends (one message there)."""
+    from wanlink.c10d.sparse_hook import _all_gather_single, _BucketCodec
     from wanlink.plan.choice import Choice, bucket_message_bytes
 
-    sizes = bucket_message_bytes(profile, Choice(density=config["density"]))
     world = config["ranks"]
     if config["density"] is None:
-        tensors = [torch.ones(size // 4) for size in sizes]
+        tensors = [torch.ones(size // 4) for size in bucket_message_bytes(profile, Choice())]
 
         def collective(index):
-            return dist.all_reduce(tensors[index], async_op=True)
+            return dist.all_reduce(tensors[index], async_op=True).get_future()
     else:
-        pairs = [(torch.empty(world * size, dtype=torch.uint8), torch.zeros(size, dtype=torch.uint8)) for size in sizes]
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        codecs = [_BucketCodec(list(bucket.numels), config["density"]) for bucket in profile.buckets]
+        messages = [codec.encode(torch.randn(sum(codec.numels), generator=generator)) for codec in codecs]
+        gathered = [torch.empty(world * message.numel(), dtype=torch.uint8) for message in messages]
+        outs = [torch.empty(sum(codec.numels)) for codec in codecs]
 
         def collective(index):
-            return _all_gather_single(*pairs[index], async_op=True)
+            codec = codecs[index]
+            work = _all_gather_single(gathered[index], messages[index], async_op=True)
+            if config["staleness"]:  # the hook's decode: into the next of the bucket's two result buffers
+                result = codec.next_result()
+                return work.get_future().then(lambda _f: result.fill(codec, gathered[index], world))
+            return work.get_future().then(lambda _f: codec.average_into(gathered[index], world, outs[index]))
 
-    step = {"launched": {}, "works": [], "ends": []}
+    in_flight = []  # the steps whose exchanges are not yet waited for, oldest first
 
     def launch(index):
+        step = in_flight[-1]
         step["launched"][index] = time.perf_counter()
-        work = collective(index)
-        work.get_future().then(lambda _f: step["ends"].append(time.perf_counter()))
-        step["works"].append(work)
+        step["done"].append(collective(index).then(lambda done: _stamp(done, step["ends"])))
+
+    def wait(step):
+        for done in step["done"]:
+            done.wait()
+        first = min(step["launched"].values())
+        start.seconds.append(max(step["ends"]) - first)
+        start.offsets.append({index: moment - first for index, moment in step["launched"].items()})
 
     def start():
-        step.update(launched={}, works=[], ends=[])
+        in_flight.append({"launched": {}, "done": [], "ends": []})
 
         def finish():
-            for work in step["works"]:
-                work.wait()
-            while len(step["ends"]) < len(step["works"]):  # the callbacks run on wanlink's completion thread
-                time.sleep(0.0005)
-            first = min(step["launched"].values())
-            start.seconds.append(max(step["ends"]) - first)
-            start.offsets.append({index: moment - first for index, moment in step["launched"].items()})
+            while len(in_flight) > config["staleness"]:
+                wait(in_flight.pop(0))
 
         return finish
 
-    start.launch, start.seconds, start.offsets = launch, [], []
+    def drain():
+        while in_flight:
+            wait(in_flight.pop(0))
+
+    start.launch, start.drain, start.seconds, start.offsets = launch, drain, [], []
     return start
 
 
@@ -421,11 +499,19 @@ def tcp_counters(pid: int | str, counters: tuple[str, ...] = TCP_COUNTERS) -> tu
     return tuple(int(values[names.index(name)]) for name in counters)
 
 
+def host_cpu_ticks() -> tuple[int, int, int]:
+    """The host's CPU time so far in clock ticks (/proc/stat, all cores): at nice > 0 (other
+    sessions' jobs: they run at nice 19, the bench at 0), idle (with I/O wait), and in all."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return fields[1], fields[3] + fields[4], sum(fields)
+
+
 class DropSampler:
     """What a configuration lost, sampled every DROP_SAMPLE_S in a thread, stamped with the wall
     clock the ranks' phase marks use (``phase_counts`` says which phase lost what): the emulator's
-    dropped segments (its queues' and random loss) per direction "ab", "ba", and, once ``watch``
-    names a process in each namespace, their TCP_COUNTERS (the senders' timeouts, then probes)."""
+    dropped segments (its queues' and random loss) per direction "ab", "ba", once ``watch`` names
+    a process in each namespace, their TCP_COUNTERS (the senders' timeouts, then probes), and the
+    host's CPU ticks (``host_cpu_ticks``: niced, idle, all)."""
 
     def __init__(self, path):
         import threading
@@ -447,7 +533,7 @@ class DropSampler:
         except OSError:  # a rank has exited: its namespace's last counters stay
             pass
         self.samples.append((time.time(), *(stats[d]["drop_queue"] + stats[d]["drop_loss"] for d in ("ab", "ba")),
-                             *self._tcp))
+                             *self._tcp, *host_cpu_ticks()))
 
     def _run(self) -> None:
         while not self._stop.wait(DROP_SAMPLE_S):
@@ -505,7 +591,7 @@ def measure(path, config: dict, port: int) -> dict:
             "train_forward_s": [statistics.median(r["forward"][SKIP_FIRST:]) for r in results],
             "train_backward_s": [statistics.median(r["backward"][SKIP_FIRST:]) for r in results],
             "rank_cpu_s_per_iteration": [r["cpu_s"] / len(r["seconds"]) for r in results],
-            "emulator_cores": emulator_cores, "host_cores": os.cpu_count(),
+            "emulator_cores": emulator_cores, "host_cores": os.cpu_count(), "bench_nice_zero": os.nice(0) == 0,
             # the slowest rank's view (as measured_s): the rank that leaves the barrier first waits longest
             "lone_allreduce_s": {size: max(r["lone_allreduce_s"][size] for r in results)
                                  for size in results[0]["lone_allreduce_s"]},
@@ -514,11 +600,15 @@ def measure(path, config: dict, port: int) -> dict:
             "per_rank_busy_exchange_s": [r["busy_exchange_s"] for r in results],
             "per_rank_busy_exchange_steps_s": [r["busy_exchange_steps_s"] for r in results],
             "per_rank_busy_launch_offsets_s": [r["busy_launch_offsets_s"] for r in results],
-            "marks": results[0]["marks"], "receive_counters": [r["receive_counters"] for r in results]}
+            "marks": results[0]["marks"], "receive_counters": [r["receive_counters"] for r in results],
+            "iterations": len(results[0]["seconds"]), "busy_step_s": [r["busy_step_s"] for r in results],
+            "schedstat": [r["schedstat"] for r in results]}
     counts = phase_counts(drops.samples, results[0]["marks"])
+    tcp = 2 + 2 * len(TCP_COUNTERS)
     row.update(drops={phase: c[:2] for phase, c in counts.items()},  # segments, per direction (ab, ba)
-               timeouts={phase: c[2::2] for phase, c in counts.items()},  # TCP's, per namespace (a, b)
-               loss_probes={phase: c[3::2] for phase, c in counts.items()})
+               timeouts={phase: c[2:tcp:2] for phase, c in counts.items()},  # TCP's, per namespace (a, b)
+               loss_probes={phase: c[3:tcp:2] for phase, c in counts.items()},
+               host_cpu_ticks={phase: c[tcp:] for phase, c in counts.items()})  # niced, idle, all
     return {**row, **measured(row, SKIP_FIRST)}
 
 
@@ -547,11 +637,25 @@ def lan_rate(source: Path = LOOPBACK_UNIX) -> str:
 
 def site_cores(row: dict) -> float | None:
     """Cores each namespace's ranks have: the two sites share the host's cores, less what the
-    emulator used during the configuration (None for rows whose profiles lack their CPU time,
-    measured since 2026-11-26 14:30)."""
+    emulator used during the configuration and what other processes took during the busy profile
+    (``others_cores``; None for rows whose profiles lack their CPU time, measured since 2026-11-26
+    14:30)."""
     if "host_cores" not in row or not all(doc.get("cpu_s") for doc in row["profiles"]):
         return None  # without the profiles' CPU time their wall time (shared cores) would count twice
-    return max(row["host_cores"] - row["emulator_cores"], 0.1) / 2
+    return max(row["host_cores"] - row["emulator_cores"] - others_cores(row), 0.1) / 2
+
+
+def others_cores(row: dict) -> float:
+    """The cores other processes took while the ranks ran the busy profile (all of them busy, in
+    training's rhythm, before training): the host's CPU at nice > 0 in that phase. On this shared
+    machine other sessions' jobs run at nice 19; at that weight they still took 0.2 of the 2 cores
+    beside two staleness-1 ranks (2026-11-27 00:57, load 6-9), as much in training as in the busy
+    profile. 0 for rows measured before 2026-11-27 and for a bench run niced itself (then the
+    ranks' own CPU is niced)."""
+    if not row.get("bench_nice_zero") or "profiles" not in row.get("host_cpu_ticks", {}):
+        return 0.0
+    nice, _idle, total = row["host_cpu_ticks"]["profiles"]
+    return row["host_cores"] * nice / total if total else 0.0
 
 
 def _cluster(row: dict, rate_mbit: float, efficiency: float, overhead_ms: float = 0.0):
@@ -656,6 +760,7 @@ def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP
         row.update(measured(row, skip))  # rows saved before 2026-11-26 14:10 held the median
         row.update(predict(row))
         row["fine_error_pct"], row["coarse_error_pct"] = 100 * row["fine_error"], 100 * row["coarse_error"]
+        row["others_cores"] = others_cores(row)
         row["profile_only_fine_error_pct"] = 100 * row["profile_only_fine_error"]
         row["iperf_fine_error_pct"] = 100 * row["iperf_fine_error"]
         row["uncontended_fine_error_pct"] = 100 * (row["uncontended_fine_s"] / row["measured_s"] - 1)
@@ -668,7 +773,8 @@ def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP
     print_table(rows, [("name", "configuration", ""), ("iterations", "iters", "d"), ("load1", "load", ".1f"),
                        ("link_mbit", "iperf Mbit/s", ".0f"), ("profile_compute_s", "profiled compute s", ".3f"),
                        ("running_compute_s", "running compute s", ".3f"), ("comm_slowdown", "busy/alone", ".2f"),
-                       ("emulator_cores", "emulator cores", ".2f"), ("measured_s", "measured s", ".3f"),
+                       ("emulator_cores", "emulator cores", ".2f"), ("others_cores", "others' cores", ".2f"),
+                       ("measured_s", "measured s", ".3f"),
                        ("halves_spread_pct", "halves %", ".1f"),
                        ("dropped_before", "dropped before", "d"), ("dropped_timed", "dropped timed", "d"),
                        ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
@@ -810,6 +916,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="merge this call's rows into <out>/<name>.json (rows of the same name are replaced), "
                              "so that the configurations can be measured in several short calls")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure each configuration this many times in a row (a noise study: the later "
+                             "ones are saved as '<name> (repeat K)')")
     parser.add_argument("--from", dest="source", type=Path,
                         help="the saved rows to read with --predict-only / --append (default <out>/<name>.json)")
     parser.add_argument("--allocation", action="store_true",
@@ -854,10 +963,14 @@ def main(argv: list[str] | None = None) -> int:
             link_mbit = run_wanlink(path, LINK_STREAMS, LINK_SECONDS, None)["gbps"] * 1e3
             print(f"{rtt_ms:g} ms {rate_mbit:g} Mbit/s: wanlink-iperf -P {LINK_STREAMS}: {link_mbit:.0f} Mbit/s",
                   flush=True)
-            for config in [c for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)]:
+            for config, repeat in [(c, k) for c in chosen if (c["rtt_ms"], c["rate_mbit"]) == (rtt_ms, rate_mbit)
+                                   for k in range(args.repeat)]:
                 started = time.monotonic()
                 row = measure(path, config, 29700 + len(rows))
-                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit)
+                row.update(load1=os.getloadavg()[0], wall_s=time.monotonic() - started, link_mbit=link_mbit,
+                           configuration=config["name"])
+                if repeat:
+                    row["name"] = f"{config['name']} (repeat {repeat + 1})"
                 rows.append(row)
                 lone = ", ".join(f"{int(size) >> 10} KiB {seconds * 1e3:.0f} ms"
                                  for size, seconds in row["lone_allreduce_s"].items())
@@ -871,8 +984,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.append and Path(saved_file).exists():  # this call's rows replace the saved ones of the same name
         saved = json.loads(Path(saved_file).read_text())
         calls = _calls(saved["load"]) + calls
-        rows += [r for r in saved["rows"] if r["name"] not in {c["name"] for c in chosen}]
-        rows.sort(key=lambda r: [c["name"] for c in CONFIGS].index(r["name"]))
+        rows += [r for r in saved["rows"] if r.get("configuration", r["name"]) not in {c["name"] for c in chosen}]
+        rows.sort(key=lambda r: [c["name"] for c in CONFIGS].index(r.get("configuration", r["name"])))
     report(run, rows, calls if args.append else load, args.name)
     return 0
 

@@ -1,0 +1,113 @@
+"""bench/predict.py's busy profile and measurement: the training's exchanges keep training's
+rhythm (a step waits for the exchanges ``staleness`` steps back), a sparse exchange ends once every
+rank's message is decoded, the sample lengths, and the cores other processes take."""
+import pytest
+import torch
+
+from bench import predict
+from wanlink.plan import Bucket, Profile
+
+PROFILE = Profile("p", 8, 0.005, 0.01, 0.005, (Bucket(5 << 20, 0.004, (4096,)), Bucket(4 << 20, 0.008, (4096,))))
+
+
+class _Work:
+    def __init__(self, future):
+        self._future = future
+
+    def get_future(self):
+        return self._future
+
+
+class _Dist:
+    """Collectives that end when the test says so (``pending`` holds their futures in launch order)."""
+
+    def __init__(self):
+        self.pending = []
+
+    def all_reduce(self, _tensor, async_op):
+        assert async_op
+        self.pending.append(torch.futures.Future())
+        return _Work(self.pending[-1])
+
+    @staticmethod
+    def get_rank():
+        return 0
+
+
+def _end(futures):
+    for future in futures:
+        future.set_result(None)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_step_waits_for_the_exchanges_staleness_steps_back(staleness):
+    dist = _Dist()
+    start = predict.training_exchanges(dist, torch, PROFILE, {"ranks": 2, "density": None, "staleness": staleness})
+    for step in range(3):
+        finish = start()
+        start.launch(0)
+        start.launch(1)
+        _end(dist.pending[-2:])  # ended at once: what a step waits for shows in what it counted
+        finish()
+        assert len(start.seconds) == step + 1 - staleness  # the step `staleness` back is waited for, no later one
+    start.drain()
+    assert len(start.seconds) == 3 and len(start.offsets) == 3
+    assert all(set(offsets) == {0, 1} for offsets in start.offsets)
+
+
+def test_a_sparse_exchange_ends_once_every_ranks_message_is_decoded(monkeypatch):
+    from wanlink.c10d import sparse_hook
+
+    launched = []
+
+    def all_gather(gathered, message, async_op):
+        launched.append((gathered, message, torch.futures.Future()))
+        return _Work(launched[-1][2])
+
+    monkeypatch.setattr(sparse_hook, "_all_gather_single", all_gather)
+    start = predict.training_exchanges(_Dist(), torch, PROFILE, {"ranks": 2, "density": 0.01, "staleness": 0})
+    finish = start()
+    start.launch(0)
+    gathered, message, future = launched[0]
+    assert gathered.numel() == 2 * message.numel()
+    gathered.copy_(torch.cat([message, message]))  # both ranks' messages: valid, they decode
+    future.set_result(None)
+    finish()
+    assert len(start.seconds) == 1
+    finish = start()
+    start.launch(1)
+    launched[1][0].zero_()  # not a block-COO message: the decode raises, and the step's wait says so
+    launched[1][2].set_result(None)
+    with pytest.raises(RuntimeError, match="not a block frame"):  # torch's future wraps the codec's ProtocolError
+        finish()
+
+
+def test_the_busy_profile_times_about_busy_timed_s_and_at_least_busy_steps():
+    lone = {str(64 << 10): 0.04, str(4 << 20): 0.2}
+    step = PROFILE.compute_s + 5 / 4 * 0.2  # dense: the buckets side by side, the largest at the 4 MiB rate
+    assert predict.busy_iterations(PROFILE, lone, None) == -(-predict.BUSY_TIMED_S // step)
+    assert predict.busy_iterations(PROFILE, lone, 0.01) == -(-predict.BUSY_TIMED_S // (PROFILE.compute_s + 2 * 0.04))
+    assert predict.busy_iterations(PROFILE, {str(64 << 10): 1.0, str(4 << 20): 9.0}, None) == predict.BUSY_STEPS
+
+
+def test_training_times_at_least_train_timed_s():
+    config = {"iterations": 16}
+    assert predict.training_iterations(config, 1.4) == 16  # 11 timed steps of 1.4 s: more than enough
+    assert predict.training_iterations(config, 0.025) == predict.SKIP_FIRST + 400
+
+
+def test_a_sites_cores_are_what_the_emulator_and_other_processes_leave():
+    row = {"host_cores": 2, "emulator_cores": 0.1, "profiles": [{"cpu_s": 0.02}], "bench_nice_zero": True,
+           "host_cpu_ticks": {"profiles": [20, 0, 200], "timed iterations": [100, 0, 200]}}
+    assert predict.others_cores(row) == pytest.approx(0.2)  # the busy profile's phase, not training's
+    assert predict.site_cores(row) == pytest.approx((2 - 0.1 - 0.2) / 2)
+    assert predict.others_cores({**row, "bench_nice_zero": False}) == 0.0  # niced bench: its own ranks are niced
+    del row["host_cpu_ticks"]
+    assert predict.site_cores(row) == pytest.approx((2 - 0.1) / 2)  # rows measured before
+
+
+def test_schedstat_reads_this_process_threads():
+    before = predict.thread_schedstat()
+    sum(range(200000))
+    spent = predict._delta(before, predict.thread_schedstat())
+    assert spent["main"][0] > 0 and spent["all"][0] >= spent["main"][0]
