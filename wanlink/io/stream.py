@@ -9,8 +9,9 @@ from wanlink.errors import PeerLost
 from wanlink.io.sockets import close_quietly, is_local_socket, log
 from wanlink.proto.frames import (
     CLOSE_FRAME, FLAG_CHECKSUM, FLAG_EAGER, FLAG_LZ4, AbortReceived, AckReceived, ChunkReceived, CloseReceived,
-    ControlReceived, FlowReceived, FrameDecoder, PingReceived, ack_header, compress_chunk, data_header,
+    ControlReceived, FlowReceived, PingReceived, ack_header, compress_chunk, data_header,
 )
+from wanlink.proto import decoder as decoding
 from wanlink.proto.seal import FrameOpener, FrameSealer
 from wanlink.sched.chunking import Chunk
 
@@ -23,8 +24,9 @@ class Stream:
     """A TCP connection carrying frames for one Link.
 
     The reader is a readiness callback registered once (``loop.add_reader``): each time the socket
-    is readable it receives straight into the decoder's target until the socket is drained or
-    ``READ_BUDGET_BYTES`` are read, and hands every decoded event to the link. (``sock_recv_into``
+    is readable it receives straight into the decoder's target, and into its read-ahead area the
+    frames after it (one ``recvmsg_into`` of both), until a read comes back short (the socket is
+    drained) or ``READ_BUDGET_BYTES`` are read, and hands every decoded event to the link. (``sock_recv_into``
     would register and unregister the socket with epoll and wake a task for every single read.)
     The writer sends queued control frames (acks, pings) first, then pulls the next chunk from the
     link's EDF queue whenever its previous send has drained into the kernel, so a faster stream
@@ -37,13 +39,14 @@ class Stream:
         """``keys``: (send, receive) keys of a sealed stream (``secure=True``), else None."""
         self.link = link
         self.sock = sock
+        self._fd = sock.fileno()
         self.index = index
         self.alive = True
         self.closing = False
         self.in_flight: dict[tuple[int, int, int], Chunk] = {}
         self.control: list[bytes] = []
         self.wake = asyncio.Event()
-        self.decoder = FrameDecoder(link.place, link.limits)  # (the link breaks these cycles: detach())
+        self.decoder = decoding.new(link.place, link.limits)  # (the link breaks these cycles: detach())
         self._sealer = None
         if keys is not None:  # same interface: the reader never knows
             self._sealer = FrameSealer(keys[0])
@@ -119,35 +122,30 @@ class Stream:
         """Receive until the socket is drained or the read budget is spent; dispatch every frame."""
         if not self._reading:  # stopped earlier in this loop iteration
             return
-        sock, decoder, link = self.sock, self.decoder, self.link
-        budget = READ_BUDGET_BYTES
+        decoder, link = self.decoder, self.link
+        nbytes = 0
         link.hold_frames()  # acks, credits and grants this read produces leave together, at the end
         try:
-            while budget > 0:
-                target = decoder.buffer()
-                try:
-                    n = sock.recv_into(target)
-                except (BlockingIOError, InterruptedError):
-                    break
-                if n == 0:
-                    reason = "peer closed the link" if link.peer_closed else "peer closed the connection"
-                    raise PeerLost(f"stream {self.index} to {link.peer}: {reason}")
-                budget -= n
-                self.bytes_received += n
-                for event in decoder.advance(n):
-                    self._dispatch(event)
-                    if not self._reading:  # the link failed or closed meanwhile
-                        return
-                if n < len(target):  # the socket had no more: skip the read that would only say so
-                    break  # (the reader is level-triggered: bytes arriving meanwhile call it again)
+            # scatter reads into the decoder's target and its read-ahead area, until one comes back
+            # short (the socket is drained) or the budget is spent (the reader is level-triggered:
+            # bytes arriving meanwhile call it again)
+            nbytes, events, ended = decoder.receive(self._fd, READ_BUDGET_BYTES)
+            self.bytes_received += nbytes
+            for event in events:
+                self._dispatch(event)
+                if not self._reading:  # the link failed or closed meanwhile
+                    return
+            if ended:
+                reason = "peer closed the link" if link.peer_closed else "peer closed the connection"
+                raise PeerLost(f"stream {self.index} to {link.peer}: {reason}")
         except Exception as exc:  # noqa: BLE001 - see _failed
             self._stop_reading()
             self._failed(exc)
         finally:
-            if budget < READ_BUDGET_BYTES:
+            if nbytes:
                 self.last_rx = self.loop.time()
                 if self._quickack:
-                    self._ack_now(sock)
+                    self._ack_now(self.sock)
             link.release_frames(after_wakeups=True)
 
     def _ack_now(self, sock: socket.socket) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import struct
 import zlib
 from typing import Callable, NamedTuple
@@ -189,6 +190,13 @@ _FLOW_FRAMES = frozenset({FrameType.GRANT, FrameType.CREDIT, FrameType.ANNOUNCE}
 PayloadPlacer = Callable[[Header], memoryview]
 
 
+READ_AHEAD_BYTES = 64 * 1024 + 1024
+"""Room after the bytes the decoder expects (``buffers()``): one read takes the next frames' headers
+with the current one, and a payload of up to 64 KiB with its header (then copied once, about as
+long as the read it saves takes), so the reader stops on a short read instead of reading until a
+read finds nothing."""
+
+
 class FrameDecoder:
     """Incremental frame decoder that lets the caller receive payloads in place.
 
@@ -196,6 +204,11 @@ class FrameDecoder:
     then calls ``advance(n)``. When a DATA header is complete, ``place(header)`` returns the
     writable memoryview of exactly ``raw_len`` bytes that the payload goes to (the posted buffer,
     a staging buffer, or a scratch sink), so payload bytes are copied once, by the kernel.
+
+    ``buffers()`` adds a read-ahead area after ``buffer()`` for one scatter read
+    (``recvmsg_into``): bytes that overflow into it are decoded by the same ``advance(n)``, every
+    frame they complete included (the part of a payload found there is copied to its place).
+    The pure-Python reference of ``wanlink._wire.FrameDecoder`` (see ``wanlink.proto.decoder``).
     """
 
     def __init__(self, place: PayloadPlacer, limits: Limits = DEFAULT_LIMITS):
@@ -208,15 +221,39 @@ class FrameDecoder:
         self._header: Header | None = None
         self._compressed: bytearray | None = None
         self._destination: memoryview | None = None
+        self._ahead = memoryview(bytearray(READ_AHEAD_BYTES))
 
     def buffer(self) -> memoryview:
         """The writable region the next received bytes must be written to."""
         return self._target[self._filled:]
 
+    def buffers(self) -> list[memoryview]:
+        """``buffer()`` and then the read-ahead area, for one scatter read; ``advance`` takes what it got."""
+        return [self._target[self._filled:], self._ahead]
+
     def advance(self, nbytes: int) -> list:
-        """Account for ``nbytes`` just written into ``buffer()``; returns completed events."""
-        if nbytes < 0 or self._filled + nbytes > len(self._target):
-            raise LocalProtocolError(f"advance({nbytes}) beyond the {len(self._target) - self._filled} bytes offered")
+        """Account for ``nbytes`` just written into ``buffer()`` (beyond it: into the read-ahead area
+        of ``buffers()``); returns completed events."""
+        offered = len(self._target) - self._filled
+        if nbytes < 0 or nbytes > offered + len(self._ahead):
+            raise LocalProtocolError(f"advance({nbytes}) beyond the {offered} bytes offered "
+                                     f"(and {len(self._ahead)} of read-ahead)")
+        if nbytes <= offered:
+            return self._advance(nbytes)
+        events = self._advance(offered)
+        ahead, start, end = self._ahead, 0, nbytes - offered
+        while start < end:  # the bytes that overflowed go where the frames decoded so far say
+            take = min(len(self._target) - self._filled, end - start)
+            self._target[self._filled:self._filled + take] = ahead[start:start + take]
+            start += take
+            events += self._advance(take)
+        return events
+
+    def receive(self, fd: int, budget: int) -> tuple[int, list, bool]:
+        """Read the non-blocking ``fd`` into ``buffers()`` and decode: ``receive_into``."""
+        return receive_into(self, fd, budget)
+
+    def _advance(self, nbytes: int) -> list:
         self._filled += nbytes
         if self._filled < len(self._target):
             return []
@@ -309,6 +346,32 @@ class FrameDecoder:
         self._target = self._header_view
         self._filled = 0
         return events
+
+
+def receive_into(decoder, fd: int, budget: int) -> tuple[int, list, bool]:
+    """Scatter-read the non-blocking ``fd`` into ``decoder.buffers()`` (``os.readv``) and decode,
+    until a read comes back short (the socket is drained: no read that would only say so) or
+    ``budget`` bytes were read. Returns (bytes read, events, whether the peer closed its side).
+    A read error raises OSError, unless bytes were read before it (the next call meets it again)."""
+    events: list = []
+    total = 0
+    while total < budget:
+        buffers = decoder.buffers()
+        try:
+            n = os.readv(fd, buffers)
+        except BlockingIOError:
+            break
+        except OSError:
+            if total:
+                break
+            raise
+        if n == 0:
+            return total, events, True
+        total += n
+        events += decoder.advance(n)
+        if n < sum(map(len, buffers)):
+            break
+    return total, events, False
 
 
 def _decompress_into(compressed: bytearray, destination: memoryview, header: Header) -> None:
