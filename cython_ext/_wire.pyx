@@ -295,7 +295,7 @@ cdef class FrameDecoder:
 
     def receive(self, int fd, Py_ssize_t budget):
         """Scatter-read ``fd`` (non-blocking) into ``buffers()`` and decode, until a read comes back
-        short or ``budget`` bytes were read: ``wanlink.proto.frames.receive_into`` in C, the reads
+        short or ``budget`` bytes were read: ``wanlink.io.stream.receive_into`` in C, the reads
         without the GIL. Returns (bytes read, events, whether the peer closed its side); a read error
         raises OSError unless bytes were read before it."""
         cdef list events = []

@@ -8,8 +8,9 @@ import pytest
 
 from wanlink.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from wanlink.proto.frames import (
-    CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, AckReceived, ChunkReceived, CloseReceived, ControlReceived,
-    READ_AHEAD_BYTES, Flags, FrameDecoder, FrameType, PingReceived, ack_header, control_header, data_header, parse_header,
+    CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, READ_AHEAD_BYTES, AckReceived, ChunkReceived, CloseReceived,
+    ControlReceived, Flags, FrameDecoder, FrameType, PingReceived, ack_header, control_header, data_header,
+    parse_header,
 )
 from wanlink.proto.limits import Limits
 

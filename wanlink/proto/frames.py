@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 import struct
 import zlib
 from typing import Callable, NamedTuple
@@ -205,9 +204,10 @@ class FrameDecoder:
     writable memoryview of exactly ``raw_len`` bytes that the payload goes to (the posted buffer,
     a staging buffer, or a scratch sink), so payload bytes are copied once, by the kernel.
 
-    ``buffers()`` adds a read-ahead area after ``buffer()`` for one scatter read
-    (``recvmsg_into``): bytes that overflow into it are decoded by the same ``advance(n)``, every
-    frame they complete included (the part of a payload found there is copied to its place).
+    ``buffers()`` adds a read-ahead area after ``buffer()`` for one scatter read (``readv``, see
+    ``wanlink.io.stream.receive_into``): bytes that overflow into it are decoded by the same
+    ``advance(n)``, every frame they complete included (the part of a payload found there is
+    copied to its place).
     The pure-Python reference of ``wanlink._wire.FrameDecoder`` (see ``wanlink.proto.decoder``).
     """
 
@@ -248,10 +248,6 @@ class FrameDecoder:
             start += take
             events += self._advance(take)
         return events
-
-    def receive(self, fd: int, budget: int) -> tuple[int, list, bool]:
-        """Read the non-blocking ``fd`` into ``buffers()`` and decode: ``receive_into``."""
-        return receive_into(self, fd, budget)
 
     def _advance(self, nbytes: int) -> list:
         self._filled += nbytes
@@ -346,32 +342,6 @@ class FrameDecoder:
         self._target = self._header_view
         self._filled = 0
         return events
-
-
-def receive_into(decoder, fd: int, budget: int) -> tuple[int, list, bool]:
-    """Scatter-read the non-blocking ``fd`` into ``decoder.buffers()`` (``os.readv``) and decode,
-    until a read comes back short (the socket is drained: no read that would only say so) or
-    ``budget`` bytes were read. Returns (bytes read, events, whether the peer closed its side).
-    A read error raises OSError, unless bytes were read before it (the next call meets it again)."""
-    events: list = []
-    total = 0
-    while total < budget:
-        buffers = decoder.buffers()
-        try:
-            n = os.readv(fd, buffers)
-        except BlockingIOError:
-            break
-        except OSError:
-            if total:
-                break
-            raise
-        if n == 0:
-            return total, events, True
-        total += n
-        events += decoder.advance(n)
-        if n < sum(map(len, buffers)):
-            break
-    return total, events, False
 
 
 def _decompress_into(compressed: bytearray, destination: memoryview, header: Header) -> None:

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from wanlink.errors import ConfigError, RemoteProtocolError
-from wanlink.proto.frames import HEADER_SIZE, receive_into
+from wanlink.proto.frames import HEADER_SIZE
 
 TAG_SIZE = 16
 KEY_SIZE = 32
@@ -97,9 +97,6 @@ class FrameOpener:
     def buffers(self) -> list[memoryview]:
         """``buffer()`` alone: a record is opened whole, so there is no reading ahead of it."""
         return [self.buffer()]
-
-    def receive(self, fd: int, budget: int) -> tuple[int, list, bool]:
-        return receive_into(self, fd, budget)
 
     def landing(self) -> tuple[int, int, int] | None:
         return self._decoder.landing()
