@@ -125,7 +125,7 @@ class Reassembler:
         self.unexpected_bytes = 0  # bytes staged now (eager chunks plus chunks of cancelled receives)
         self.peak_unexpected_bytes = 0
         self.eager_bytes = 0  # bytes of eager chunks charged and not yet due back to the peer
-        self._credit_due = 0
+        self.credit_due = 0  # eager bytes whose credit is due back to the peer (``take_credit``)
         self.duplicate_chunks = 0
         self._pool = STAGING_POOL
 
@@ -260,10 +260,10 @@ class Reassembler:
     def take_credit(self, at_least: int = 0) -> int:
         """Eager bytes whose credit is due back to the peer since the last call that returned some;
         0 (and the credit kept for later) while fewer than ``at_least`` (at least 1) are due."""
-        due = self._credit_due
+        due = self.credit_due
         if due < max(at_least, 1):
             return 0
-        self._credit_due = 0
+        self.credit_due = 0
         return due
 
     def clear(self) -> None:
@@ -312,7 +312,7 @@ class Reassembler:
             entry.charged.remove(offset)
             length = entry.spans[offset]
             self.eager_bytes -= length
-            self._credit_due += length
+            self.credit_due += length
 
     def _new_entry(self, tag: int, seq: int, buffer: memoryview | None) -> Incoming:
         if len(self._incoming) >= self._limits.max_pending_transfers:
