@@ -45,18 +45,14 @@ cdef enum:
     F_CHECKSUM = 2
     KNOWN_FLAGS = 7
 
-cdef object _Header = _frames.Header
+# what the reference module defines, held in C variables (looked up once, here)
+cdef object _Header, _parse_header, _decompress_into, _RemoteProtocolError
+cdef object _ChunkReceived, _AckReceived, _FlowReceived, _ControlReceived, _AbortReceived, _PingReceived, _CloseReceived
+(_Header, _parse_header, _decompress_into, _RemoteProtocolError, _ChunkReceived, _AckReceived, _FlowReceived,
+ _ControlReceived, _AbortReceived, _PingReceived, _CloseReceived) = [getattr(_frames, name) for name in (
+    "Header", "parse_header", "_decompress_into", "RemoteProtocolError", "ChunkReceived", "AckReceived",
+    "FlowReceived", "ControlReceived", "AbortReceived", "PingReceived", "CloseReceived")]
 cdef object _tuple_new = tuple.__new__
-cdef object _parse_header = _frames.parse_header
-cdef object _decompress_into = _frames._decompress_into
-cdef object _ChunkReceived = _frames.ChunkReceived
-cdef object _AckReceived = _frames.AckReceived
-cdef object _FlowReceived = _frames.FlowReceived
-cdef object _ControlReceived = _frames.ControlReceived
-cdef object _AbortReceived = _frames.AbortReceived
-cdef object _PingReceived = _frames.PingReceived
-cdef object _CloseReceived = _frames.CloseReceived
-cdef object _RemoteProtocolError = _frames.RemoteProtocolError
 cdef object _crc32 = zlib.crc32
 cdef list _TYPES = [None] + [_frames.FrameType(t) for t in range(1, 10)]
 cdef Py_ssize_t READ_AHEAD = _frames.READ_AHEAD_BYTES
