@@ -91,10 +91,9 @@ def read_calls() -> int:
         return int(next(line for line in handle if line.startswith("syscr:")).split()[1])
 
 
-def run_round(name: str, make, sock_pair, blob: bytes) -> tuple[float, int]:
+def run_batch(name: str, decoder, sock_pair, blob: bytes) -> tuple[float, int]:
     """Decode ``blob`` once through ``name``'s read path; returns (seconds, reads)."""
     reader, writer = sock_pair
-    decoder = make()
     writer.sendall(blob)
     reads = 0
     got = 0
@@ -142,8 +141,9 @@ def main() -> None:
             for name, make in makers.items():
                 spent = 0.0
                 count = 0
+                decoder = make()  # one per round, as a stream has one for its life
                 for _ in range(args.repeat):
-                    seconds, made = run_round(name, make, (reader, writer), blob)
+                    seconds, made = run_batch(name, decoder, (reader, writer), blob)
                     spent += seconds
                     count += made
                 per_round[name].append(spent / (args.repeat * frames))

@@ -56,6 +56,7 @@ cdef object _tuple_new = tuple.__new__
 cdef object _crc32 = zlib.crc32
 cdef list _TYPES = [None] + [_frames.FrameType(t) for t in range(1, 10)]
 cdef Py_ssize_t READ_AHEAD = _frames.READ_AHEAD_BYTES
+cdef Py_ssize_t BULK_READ_AHEAD = _frames.BULK_READ_AHEAD_BYTES
 assert HEADER_SIZE == _frames.HEADER_SIZE and len(_frames.FrameType) == 9
 
 
@@ -85,7 +86,8 @@ cdef class FrameDecoder:
     cdef object _compressed
     cdef object _destination
     cdef bytearray _ahead_buf
-    cdef object _ahead
+    cdef object _ahead_full, _ahead_bulk  # views of _ahead_buf: the whole, and BULK_READ_AHEAD bytes
+    cdef Py_ssize_t _ahead_len  # the read-ahead offered now (see the reference's BULK_READ_AHEAD_BYTES)
     cdef uint8_t* _aptr
 
     def __cinit__(self):
@@ -100,7 +102,9 @@ cdef class FrameDecoder:
         self._header_buf = bytearray(HEADER_SIZE)
         self._header_view = memoryview(self._header_buf)
         self._ahead_buf = bytearray(READ_AHEAD)
-        self._ahead = memoryview(self._ahead_buf)
+        self._ahead_full = memoryview(self._ahead_buf)
+        self._ahead_bulk = self._ahead_full[:BULK_READ_AHEAD]
+        self._ahead_len = READ_AHEAD
         self._aptr = <uint8_t*><char*>self._ahead_buf
         self._header = None
         self._compressed = None
@@ -129,7 +133,7 @@ cdef class FrameDecoder:
 
     def buffers(self):
         """``buffer()`` and then the read-ahead area, for one scatter read."""
-        return [self._target[self._filled:], self._ahead]
+        return [self._target[self._filled:], self._ahead_full if self._ahead_len == READ_AHEAD else self._ahead_bulk]
 
     def advance(self, Py_ssize_t nbytes):
         """Account for ``nbytes`` just written into ``buffers()``; returns completed events."""
@@ -139,9 +143,9 @@ cdef class FrameDecoder:
 
     cdef int _advance(self, Py_ssize_t nbytes, list events) except -1:
         cdef Py_ssize_t offered = self._tlen - self._filled
-        if nbytes < 0 or nbytes > offered + READ_AHEAD:
+        if nbytes < 0 or nbytes > offered + self._ahead_len:
             raise LocalProtocolError(f"advance({nbytes}) beyond the {offered} bytes offered "
-                                     f"(and {READ_AHEAD} of read-ahead)")
+                                     f"(and {self._ahead_len} of read-ahead)")
         if nbytes <= offered:
             self._step(nbytes, events)
             return 0
@@ -251,6 +255,7 @@ cdef class FrameDecoder:
                 raise _RemoteProtocolError(f"checksum mismatch in chunk at offset {header.offset} "
                                            f"of tag={header.tag} seq={header.seq}")
             event = _ChunkReceived(header)
+        self._ahead_len = BULK_READ_AHEAD if <uint32_t>header[6] > READ_AHEAD else READ_AHEAD  # (wire_len)
         self._header = None
         self._compressed = None
         self._destination = None
@@ -303,8 +308,8 @@ cdef class FrameDecoder:
             iov[0].iov_base = self._tptr + self._filled
             iov[0].iov_len = offered
             iov[1].iov_base = self._aptr
-            iov[1].iov_len = READ_AHEAD
-            asked = offered + READ_AHEAD
+            iov[1].iov_len = self._ahead_len
+            asked = offered + self._ahead_len
             with nogil:
                 n = readv(fd, iov, 2)
             if n < 0:

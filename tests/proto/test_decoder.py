@@ -15,8 +15,8 @@ from wanlink.errors import LocalProtocolError, RemoteProtocolError
 from wanlink.io.stream import receive_into
 from wanlink.proto import decoder as decoding
 from wanlink.proto.frames import (
-    CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, READ_AHEAD_BYTES, FrameType, Flags, ack_header, announce_frame,
-    control_header, credit_frame, data_header, grant_frame,
+    BULK_READ_AHEAD_BYTES, CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, READ_AHEAD_BYTES, Flags, FrameType,
+    ack_header, announce_frame, control_header, credit_frame, data_header, grant_frame,
 )
 from wanlink.proto.limits import Limits
 
@@ -150,6 +150,21 @@ def test_payloads_larger_than_the_read_ahead_decode_alike(both):
                   for _ in range(30)]
         for cls in both:
             assert _outcome(cls, frames, scatter_in(pieces)) == reference, f"{cls.__module__} trial {trial}"
+
+
+def test_the_read_ahead_shrinks_after_a_frame_larger_than_it_and_grows_back(implementation):
+    """A large payload's successor is large too, most likely: less of it is read ahead (then copied)."""
+    dec = implementation(Sink().place, LIMITS)
+    offered = []
+    for frame in (PING_FRAME, data_frame(1, 0, 100_000, 0, bytes(100_000)), PING_FRAME,
+                  data_frame(1, 1, 10, 0, bytes(10)), PING_FRAME):
+        dec.feed(frame)
+        offered.append(len(dec.buffers()[1]))
+    assert offered == [READ_AHEAD_BYTES, BULK_READ_AHEAD_BYTES, BULK_READ_AHEAD_BYTES, READ_AHEAD_BYTES,
+                       READ_AHEAD_BYTES]
+    with pytest.raises(LocalProtocolError, match="beyond"):  # what advance() takes follows what was offered
+        dec.feed(data_frame(1, 2, 100_000, 0, bytes(100_000)))
+        dec.advance(HEADER_SIZE + BULK_READ_AHEAD_BYTES + 1)
 
 
 def _fields(**changes):

@@ -194,6 +194,12 @@ READ_AHEAD_BYTES = 64 * 1024 + 1024
 with the current one, and a payload of up to 64 KiB with its header (then copied once, about as
 long as the read it saves takes), so the reader stops on a short read instead of reading until a
 read finds nothing."""
+BULK_READ_AHEAD_BYTES = 4 * 1024 + HEADER_SIZE
+"""The read-ahead offered after a frame of more than READ_AHEAD_BYTES: such frames come in a row (a
+stream carrying a large message's chunks), and the part of the next payload a full read-ahead took
+would only be copied (bench/frame_decoder.py, 1 MiB frames: about 8 % more time per frame than
+reading payloads in place; about 4 % with this). This still takes the headers between chunks
+(acks, grants)."""
 
 
 class FrameDecoder:
@@ -221,7 +227,9 @@ class FrameDecoder:
         self._header: Header | None = None
         self._compressed: bytearray | None = None
         self._destination: memoryview | None = None
-        self._ahead = memoryview(bytearray(READ_AHEAD_BYTES))
+        self._ahead_full = memoryview(bytearray(READ_AHEAD_BYTES))
+        self._ahead_bulk = self._ahead_full[:BULK_READ_AHEAD_BYTES]
+        self._ahead = self._ahead_full  # the read-ahead area offered now (see BULK_READ_AHEAD_BYTES)
 
     def buffer(self) -> memoryview:
         """The writable region the next received bytes must be written to."""
@@ -241,7 +249,7 @@ class FrameDecoder:
         if nbytes <= offered:
             return self._advance(nbytes)
         events = self._advance(offered)
-        ahead, start, end = self._ahead, 0, nbytes - offered
+        ahead, start, end = self._ahead_full, 0, nbytes - offered
         while start < end:  # the bytes that overflowed go where the frames decoded so far say
             take = min(len(self._target) - self._filled, end - start)
             self._target[self._filled:self._filled + take] = ahead[start:start + take]
@@ -332,6 +340,7 @@ class FrameDecoder:
                 raise RemoteProtocolError(f"checksum mismatch in chunk at offset {header.offset} "
                                           f"of tag={header.tag} seq={header.seq}")
             event = ChunkReceived(header)
+        self._ahead = self._ahead_bulk if header.wire_len > READ_AHEAD_BYTES else self._ahead_full
         self._expect_header([])
         return event
 
