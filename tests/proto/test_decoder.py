@@ -6,6 +6,8 @@ import itertools
 import os
 import random
 import socket
+import subprocess
+import sys
 import zlib
 
 import lz4.block
@@ -303,3 +305,32 @@ def test_receive_stops_at_its_budget_and_raises_read_errors(implementation):
             _receive(implementation(Sink().place, LIMITS))(bad, 1 << 20)
     finally:
         os.close(bad)
+
+
+# Makes `import wanlink._wire` fail as it does where the build skipped it (no compiler, another Python).
+WITHOUT_EXTENSION = """
+import importlib.abc, sys, warnings
+class NoWire(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "wanlink._wire":
+            raise ImportError("No module named 'wanlink._wire'")
+sys.meta_path.insert(0, NoWire())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from wanlink.proto import decoder
+    from wanlink.io.stream import Stream
+print(decoder.NAME, decoder.available(), len([w for w in caught if "_wire" in str(w.message)]))
+try:
+    decoder.load("compiled")
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_without_the_extension_the_reference_decodes_and_nothing_breaks():
+    environment = {k: v for k, v in os.environ.items() if k != "WANLINK_PUREPYTHON"}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_EXTENSION], capture_output=True, text=True, timeout=120,
+                          check=True, env=environment)
+    chosen, refused = done.stdout.splitlines()
+    assert chosen == "reference ['reference'] 0"  # no warning: the kernels' import says the build was skipped
+    assert refused.startswith("UnsupportedError compiled frame decoder unavailable: wanlink._wire is not built")
