@@ -1,8 +1,10 @@
-"""Build hook: compiles cython_ext/_kernels.pyx into wanlink._kernels when Cython and a C compiler work.
+"""Build hook: compiles cython_ext/_kernels.pyx into wanlink._kernels and cython_ext/_wire.pyx into
+wanlink._wire (the frame decoder) when Cython and a C compiler work.
 
-The package is fully usable without the extension (wanlink.kernels falls back to the NumPy
-reference, 10-100x slower), so a skipped or failed build does not fail the install; it says so, and
-why, in one line starting "wanlink: compiled kernels". ``WANLINK_NO_EXT=1`` skips the build on purpose.
+The package is fully usable without them (wanlink.kernels falls back to the NumPy reference,
+10-100x slower; wanlink.proto.decoder to the pure-Python decoder), so a skipped or failed build does
+not fail the install; it says so, and why, in one line per extension starting "wanlink: compiled
+kernels". ``WANLINK_NO_EXT=1`` skips the build on purpose.
 """
 import os
 import sys
@@ -14,6 +16,7 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 KERNEL_SOURCE = Path("cython_ext") / "_kernels.pyx"
+WIRE_SOURCE = Path("cython_ext") / "_wire.pyx"
 
 
 def _say(message: str) -> None:
@@ -57,9 +60,6 @@ def kernel_extensions() -> list:
     if os.environ.get("WANLINK_NO_EXT") == "1":
         _say("skipped: WANLINK_NO_EXT=1 is set; wanlink will use the slow NumPy reference")
         return []
-    if not (HERE / KERNEL_SOURCE).exists():
-        _say(f"skipped: {KERNEL_SOURCE} is missing from this source tree; wanlink will use the slow NumPy reference")
-        return []
     try:
         import numpy
         from Cython.Build import cythonize
@@ -67,16 +67,26 @@ def kernel_extensions() -> list:
         _say(f"skipped: {exc.name} is not installed in the build environment; "
              "wanlink will use the slow NumPy reference")
         return []
-    openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
-    ext = Extension(
-        "wanlink._kernels",
-        [str(KERNEL_SOURCE)],
-        include_dirs=[numpy.get_include()],
-        extra_compile_args=compile_args(),
-        extra_link_args=openmp,
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    )
-    return cythonize([ext], compiler_directives={"language_level": "3"}, quiet=True)
+    extensions = []
+    if (HERE / KERNEL_SOURCE).exists():
+        openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
+        extensions.append(Extension(
+            "wanlink._kernels",
+            [str(KERNEL_SOURCE)],
+            include_dirs=[numpy.get_include()],
+            extra_compile_args=compile_args(),
+            extra_link_args=openmp,
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        ))
+    else:
+        _say(f"skipped: {KERNEL_SOURCE} is missing from this source tree; wanlink will use the slow NumPy reference")
+    if (HERE / WIRE_SOURCE).exists():
+        extensions.append(Extension("wanlink._wire", [str(WIRE_SOURCE)], extra_compile_args=["-O2"]))
+    else:
+        _say(f"skipped: {WIRE_SOURCE} is missing from this source tree; wanlink will decode frames in Python")
+    if not extensions:
+        return []
+    return cythonize(extensions, compiler_directives={"language_level": "3"}, quiet=True)
 
 
 setup(ext_modules=kernel_extensions(), cmdclass={"build_ext": OptionalBuildExt})

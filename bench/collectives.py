@@ -13,12 +13,13 @@ the ratio of the p50 times: above 1, wanlink is faster.
     python bench/collectives.py [--worlds 2 4] [--sizes 64K 1M 4M 16M 64M 256M] [--iters 40] [--count]
 
 ``--count`` adds, per point, what one wanlink op costs each rank's two threads (the caller's and the
-wanlink-io loop's): Python calls and socket calls made from Python (sendmsg, recv_into, ...: one
+wanlink-io loop's): Python calls and socket calls made from Python (sendmsg, os.readv, ...: one
 system call each), both counted by a profile hook in passes of their own; thread CPU time;
-read()/write() calls (``/proc``: the loop's wake-up eventfd; socket calls are not in that count)
-and voluntary (sleeps: futex, epoll_wait) / involuntary context switches. Each is the difference
-between a window of barrier + op iterations and one of barriers alone, divided by the iterations,
-so the gloo barrier is not counted.
+read()/write() calls (``/proc``: the loop's wake-up eventfd, and the socket reads of the compiled
+frame decoder, made in C; send/recv-type socket calls are not in that count) and voluntary
+(sleeps: futex, epoll_wait) / involuntary context switches. Each is the difference between a
+window of barrier + op iterations and one of barriers alone, divided by the iterations, so the
+gloo barrier is not counted.
 
 Writes collectives.{txt,json,png} to --out (bench/results/ with --publish).
 """
@@ -110,7 +111,8 @@ def time_point(op: str, nbytes: int, groups: dict, sync, iters: int) -> dict[str
 THREADS = ("caller", "io")
 COUNTERS = ("calls", "sock_calls", "cpu_us", "syscr", "syscw", "vcsw", "ivcsw")
 HOOKED = ("calls", "sock_calls")  # counted by the profile hook, in passes of their own
-SOCKET_CALLS = frozenset({"sendmsg", "send", "sendall", "recv_into", "recv", "recvmsg", "setsockopt", "getsockopt"})
+SOCKET_CALLS = frozenset({"sendmsg", "send", "sendall", "recv_into", "recv", "recvmsg", "readv", "setsockopt",
+                          "getsockopt"})
 
 
 def thread_counters(native_id: int, ident: int) -> dict[str, float]:

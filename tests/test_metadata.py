@@ -31,6 +31,7 @@ def test_info_names_versions_kernels_loop_and_tcp():
     facts = about.collect()
     assert facts["versions"]["wanlink"] == wanlink.__version__
     assert facts["kernels"]["in use"] in ("compiled", "reference")
+    assert facts["kernels"]["frame decoder"] in ("compiled", "reference")
     assert set(facts) == {"versions", "kernels", "event loop", "kernel TCP"}
     assert "congestion controls available" in facts["kernel TCP"]
     shown = subprocess.run([sys.executable, "-m", "wanlink", "info", "--json"], capture_output=True, text=True,

@@ -53,7 +53,7 @@ def test_sdist_builds_a_wheel_with_compiled_kernels_that_runs_the_readme_and_the
     [sdist] = dist.glob("wanlink-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {Path(*Path(name).parts[1:]).as_posix() for name in archive.getnames()}
-    assert {"cython_ext/_kernels.pyx", "LICENSE", "wanlink/py.typed", "CHANGELOG.md"} <= names
+    assert {"cython_ext/_kernels.pyx", "cython_ext/_wire.pyx", "LICENSE", "wanlink/py.typed", "CHANGELOG.md"} <= names
 
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-v",
                   "-w", dist, sdist], tmp_path)
@@ -65,9 +65,10 @@ def test_sdist_builds_a_wheel_with_compiled_kernels_that_runs_the_readme_and_the
     _run([python, "-m", "pip", "install", "--no-index", wheel], tmp_path)
     work = tmp_path / "work"  # not the checkout: `import wanlink` must find the installed copy
     work.mkdir()
-    checked = _run([python, "-c", "import wanlink, wanlink.kernels as k; print(wanlink.__file__, k.NAME)"], work)
-    location, implementation = checked.stdout.split()
-    assert str(tmp_path / "venv") in location and implementation == "compiled", checked.stdout
+    checked = _run([python, "-c", "import wanlink, wanlink.kernels as k, wanlink.proto.decoder as d; "
+                            "print(wanlink.__file__, k.NAME, d.NAME)"], work)
+    location, kernels, decoder = checked.stdout.split()
+    assert str(tmp_path / "venv") in location and kernels == decoder == "compiled", checked.stdout
     assert "kernels" in _run([python, "-m", "wanlink", "info"], work).stdout
 
     [snippet] = [b for b in blocks_of(ROOT / "README.md") if b.language == "python" and "wanlink.serve" in b.code]

@@ -58,11 +58,13 @@ def cpu_features() -> list[str]:
 
 def kernels_facts() -> dict[str, str]:
     from wanlink import kernels
+    from wanlink.proto import decoder
 
     facts = {"in use": kernels.NAME, "available": ", ".join(kernels.available())}
     if "compiled" in kernels.available():
         facts["vector scoring"] = getattr(kernels.load("compiled"), "VECTOR_SCORING", UNAVAILABLE)
     facts["threads"] = str(kernels.num_threads())
+    facts["frame decoder"] = decoder.NAME
     facts["CPU features"] = ", ".join(cpu_features()) or UNAVAILABLE
     return facts
 

@@ -139,7 +139,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("WANLINK_GC_FREEZE", "gc_freeze", _flag, "1",
              "0: leave Python's garbage collector alone (1 freezes it once at the first group)"),
     Variable("WANLINK_PUREPYTHON", "pure_python", _flag, "0",
-             "1: use the NumPy reference kernels even where the compiled ones load"),
+             "1: use the NumPy reference kernels and the pure-Python frame decoder even where the compiled ones load"),
 )
 """Every variable wanlink reads at run time (``WANLINK_NO_EXT=1`` is read by the build alone: setup.py)."""
 

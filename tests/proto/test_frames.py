@@ -8,8 +8,9 @@ import pytest
 
 from wanlink.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from wanlink.proto.frames import (
-    CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, AckReceived, ChunkReceived, CloseReceived, ControlReceived,
-    Flags, FrameDecoder, FrameType, PingReceived, ack_header, control_header, data_header, parse_header,
+    CLOSE_FRAME, HEADER, HEADER_SIZE, PING_FRAME, READ_AHEAD_BYTES, AckReceived, ChunkReceived, CloseReceived,
+    ControlReceived, Flags, FrameDecoder, FrameType, PingReceived, ack_header, control_header, data_header,
+    parse_header,
 )
 from wanlink.proto.limits import Limits
 
@@ -150,7 +151,7 @@ def test_limit_error_names_the_limit():
 def test_advance_beyond_offered_buffer_is_local_misuse():
     dec, _ = decoder()
     with pytest.raises(LocalProtocolError, match="beyond"):
-        dec.advance(HEADER_SIZE + 1)
+        dec.advance(HEADER_SIZE + READ_AHEAD_BYTES + 1)
 
 
 def test_a_placer_returning_the_wrong_size_is_local_misuse():

@@ -401,8 +401,10 @@ class Link:
         return view
 
     def chunk_received(self, header: Header) -> None:
-        entry = self.reassembler.chunk_done(header)
-        self._return_credit()
+        reassembler = self.reassembler
+        entry = reassembler.chunk_done(header)
+        if reassembler.credit_due >= self._credit_batch:  # (checked here: this runs for every chunk)
+            self._return_credit()
         if entry is None:
             return
         waiter = self._recv_waiters.pop(entry, None)

@@ -73,7 +73,7 @@ class StagingPool:
 STAGING_POOL = StagingPool(SPARE_STAGING_BYTES)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Incoming:
     """One message being received: its destination and which chunks have arrived."""
 
@@ -125,7 +125,7 @@ class Reassembler:
         self.unexpected_bytes = 0  # bytes staged now (eager chunks plus chunks of cancelled receives)
         self.peak_unexpected_bytes = 0
         self.eager_bytes = 0  # bytes of eager chunks charged and not yet due back to the peer
-        self._credit_due = 0
+        self.credit_due = 0  # eager bytes whose credit is due back to the peer (``take_credit``)
         self.duplicate_chunks = 0
         self._pool = STAGING_POOL
 
@@ -260,10 +260,10 @@ class Reassembler:
     def take_credit(self, at_least: int = 0) -> int:
         """Eager bytes whose credit is due back to the peer since the last call that returned some;
         0 (and the credit kept for later) while fewer than ``at_least`` (at least 1) are due."""
-        due = self._credit_due
+        due = self.credit_due
         if due < max(at_least, 1):
             return 0
-        self._credit_due = 0
+        self.credit_due = 0
         return due
 
     def clear(self) -> None:
@@ -293,16 +293,18 @@ class Reassembler:
         return entry
 
     def _charge(self, entry: Incoming, header: Header) -> None:
-        """Check a new chunk against flow control: eager credit, or the message's grant."""
-        where = f"chunk [{header.offset}, {header.offset + header.raw_len}) of tag={entry.tag} seq={entry.seq}"
+        """Check a new chunk against flow control: eager credit, or the message's grant.
+        (Messages are built only to raise: this runs for every chunk.)"""
         if header.flags & FLAG_EAGER:
-            self._limits.check("max_unexpected_bytes", self.eager_bytes + header.raw_len,
-                               f"eager {where}: the peer sent more than the credit it was given")
-            self.eager_bytes += header.raw_len
+            charged = self.eager_bytes + header.raw_len
+            if charged > self._limits.max_unexpected_bytes:
+                self._limits.check("max_unexpected_bytes", charged, f"eager {_chunk_name(entry, header)}: "
+                                   "the peer sent more than the credit it was given")
+            self.eager_bytes = charged
             entry.charged.add(header.offset)
         elif not entry.granted:
-            raise RemoteProtocolError(f"the peer sent {where} without eager credit before its receive was posted "
-                                f"(it ignored flow control)")
+            raise RemoteProtocolError(f"the peer sent {_chunk_name(entry, header)} without eager credit before its "
+                                      f"receive was posted (it ignored flow control)")
 
     def _release(self, entry: Incoming, offset: int) -> None:
         """An eager chunk's bytes left staging (or never used it): its credit is due back."""
@@ -310,10 +312,11 @@ class Reassembler:
             entry.charged.remove(offset)
             length = entry.spans[offset]
             self.eager_bytes -= length
-            self._credit_due += length
+            self.credit_due += length
 
     def _new_entry(self, tag: int, seq: int, buffer: memoryview | None) -> Incoming:
-        self._limits.check("max_pending_transfers", len(self._incoming) + 1, "partially received messages")
+        if len(self._incoming) >= self._limits.max_pending_transfers:
+            self._limits.check("max_pending_transfers", len(self._incoming) + 1, "partially received messages")
         entry = Incoming(tag, seq, buffer)
         self._incoming[(tag, seq)] = entry
         return entry
@@ -378,24 +381,32 @@ _NEW, _RESENT, _DUPLICATE = "new", "resent", "duplicate"
 
 def _claim(entry: Incoming, offset: int, length: int) -> str:
     """Record that [offset, offset + length) of ``entry`` is arriving; any overlap is a ProtocolError."""
-    where = f"tag={entry.tag} seq={entry.seq}"
     known = entry.spans.get(offset)
     if known is not None:
         if known != length:
-            raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) of {where} overlaps chunk "
-                                f"[{offset}, {offset + known}) with another length")
+            raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) of tag={entry.tag} seq={entry.seq} "
+                                      f"overlaps chunk [{offset}, {offset + known}) with another length")
         return _DUPLICATE if offset in entry.chunks else _RESENT
     if length == 0 and entry.total:
-        raise RemoteProtocolError(f"empty chunk at offset {offset} of {where} ({entry.total} bytes)")
+        raise RemoteProtocolError(f"empty chunk at offset {offset} of tag={entry.tag} seq={entry.seq} "
+                                  f"({entry.total} bytes)")
     starts = entry.starts
-    i = bisect.bisect(starts, offset)
-    for other in starts[max(i - 1, 0):i + 1]:
-        end = other + entry.spans[other]
-        if other < offset + length and offset < end:
-            raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) of {where} overlaps chunk [{other}, {end})")
-    starts.insert(i, offset)
+    if starts:  # (the first chunk of a message overlaps nothing)
+        i = bisect.bisect(starts, offset)
+        for other in starts[max(i - 1, 0):i + 1]:
+            end = other + entry.spans[other]
+            if other < offset + length and offset < end:
+                raise RemoteProtocolError(f"chunk [{offset}, {offset + length}) of tag={entry.tag} seq={entry.seq} "
+                                          f"overlaps chunk [{other}, {end})")
+        starts.insert(i, offset)
+    else:
+        starts.append(offset)
     entry.spans[offset] = length
     return _NEW
+
+
+def _chunk_name(entry: Incoming, header: Header) -> str:
+    return f"chunk [{header.offset}, {header.offset + header.raw_len}) of tag={entry.tag} seq={entry.seq}"
 
 
 def _size_error(tag: int, total: int, posted: int) -> MessageSizeError:

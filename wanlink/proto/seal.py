@@ -94,6 +94,10 @@ class FrameOpener:
     def buffer(self) -> memoryview:
         return memoryview(self._staging)[self._filled:self._record]
 
+    def buffers(self) -> list[memoryview]:
+        """``buffer()`` alone: a record is opened whole, so there is no reading ahead of it."""
+        return [self.buffer()]
+
     def landing(self) -> tuple[int, int, int] | None:
         return self._decoder.landing()
 
