@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - uvloop is a Linux dependency
 
 NEEDS_TORCH = ["c10d", "kernels", "test_docs.py", "test_examples.py", "test_packaging.py",
                "bench/test_chaos.py", "bench/test_fidelity_schedule.py",
-               "bench/test_fidelity_summary.py"]
+               "bench/test_fidelity_summary.py", "plan/test_predict_busy.py"]
 collect_ignore = NEEDS_TORCH if importlib.util.find_spec("torch") is None else []
 
 # Child processes (ranks, servers) print every thread's Python stack if they die of a signal
