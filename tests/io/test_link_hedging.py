@@ -120,11 +120,11 @@ async def test_a_copy_still_arriving_when_its_chunk_completed_lands_apart_from_t
         assert decoders[1].feed(frame[:-400]) == []  # the late copy: 600 bytes in
         events = decoders[0].feed(frame)
         assert [type(e) for e in events] == [ChunkReceived]
-        accepted.chunk_received(events[0].header)
+        accepted._streams[0]._dispatch(events[0])
         assert await asyncio.wait_for(recv, 5) == 1000 and out == data
         out[:] = bytes(1000)  # the caller uses its buffer again
         events = decoders[1].feed(frame[-400:])
-        accepted.chunk_received(events[0].header)
+        accepted._streams[1]._dispatch(events[0])
         assert out == bytes(1000) and accepted.stats()["duplicate_chunks"] == 1
     finally:
         await pair.close()

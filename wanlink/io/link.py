@@ -405,8 +405,6 @@ class Link:
         return view
 
     def chunk_received(self, header: Header) -> None:
-        if len(self._streams) > 1:
-            self._drop_other_copy(header)
         entry = self.reassembler.chunk_done(header)
         self._return_credit()
         if entry is None:
@@ -419,10 +417,11 @@ class Link:
         else:
             waiter.set_result(entry.total)
 
-    def _drop_other_copy(self, header: Header) -> None:
-        """A chunk arrived in full: another stream still receiving a copy of it (the peer re-sent it
-        there, ``_check_stalls``) writes the rest into a buffer of its own, not into the receive's
-        buffer, which its caller may be using again by then."""
+    def drop_other_copy(self, header: Header) -> None:
+        """A chunk arrived in full (a stream calls this before ``chunk_received`` when the link has
+        several): another stream still receiving a copy of it (the peer re-sent it there,
+        ``_check_stalls``) writes the rest into a buffer of its own, not into the receive's buffer,
+        which its caller may be using again by then."""
         key = (header.tag, header.seq, header.offset)
         for stream in self._streams:
             decoder = stream.decoder

@@ -175,6 +175,8 @@ class Stream:
                 return
             self.chunks_received += 1
             header = event.header
+            if link.streams > 1:
+                link.drop_other_copy(header)
             link.chunk_received(header)
             self.control.append(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
         elif type(event) is AckReceived:
