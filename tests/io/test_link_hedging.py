@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from wanlink.io import link as link_module
+from wanlink.io.sockets import TcpInfo
 from wanlink.proto.frames import ChunkReceived, FrameDecoder, data_header
 from wanlink.sched.hedging import stall_after
 from tests.support.links import open_pair
@@ -32,6 +33,12 @@ def _resume(stream) -> None:
     stream.loop.add_reader(stream.sock, stream._on_readable)
 
 
+def _kernel(acked: int, in_flight: int = 10, cwnd: int = 100) -> TcpInfo:
+    """TCP_INFO of a stream: ``acked`` bytes acknowledged, ``in_flight`` and ``cwnd`` segments of 1000 bytes."""
+    return TcpInfo(snd_mss=1000, unacked=in_flight, sacked=0, lost=0, retrans=0, pmtu=1500, rtt=40_000, rttvar=0,
+                   snd_ssthresh=0, snd_cwnd=cwnd, total_retrans=0, bytes_acked=acked, notsent_bytes=0)
+
+
 async def _one_chunk_stuck(pair):
     """Send one chunk while the peer reads no stream; returns (send+recv, stuck stream, other stream)
     with the peer reading again on every stream but the stuck one's."""
@@ -54,10 +61,10 @@ async def test_a_stalled_streams_chunk_arrives_over_another_stream_and_its_late_
     try:
         client, accepted = pair.client, pair.accepted
         both, data, out, stuck, other = await _one_chunk_stuck(pair)
-        real = link_module.tcp_send_progress
+        real = link_module.tcp_info
         acked = iter(range(10**6))  # with progress: the stuck stream's kernel acknowledges more at each look
-        monkeypatch.setattr(link_module, "tcp_send_progress",
-                            lambda sock: (10**7, next(acked) if progress else 0) if sock is stuck.sock else real(sock))
+        monkeypatch.setattr(link_module, "tcp_info",
+                            lambda sock: _kernel(next(acked) if progress else 0) if sock is stuck.sock else real(sock))
         after = stall_after(client._rtt_s)
         client._check_stalls(now=1000.0)
         client._check_stalls(now=1000.0 + after / 2)  # not yet stalled for long enough
@@ -82,13 +89,32 @@ async def test_a_stalled_streams_chunk_arrives_over_another_stream_and_its_late_
         await pair.close()
 
 
+async def test_a_stream_whose_bytes_need_many_round_trips_at_its_window_is_copied_at_once(monkeypatch):
+    pair = await open_pair(2, chunk_size=CHUNK)
+    try:
+        client, accepted = pair.client, pair.accepted
+        both, data, out, stuck, other = await _one_chunk_stuck(pair)
+        real = link_module.tcp_info
+        acked = iter(range(10**6))  # it makes progress, but at a window of 2 segments for 10 in the kernel
+        monkeypatch.setattr(link_module, "tcp_info",
+                            lambda sock: _kernel(next(acked), cwnd=2) if sock is stuck.sock else real(sock))
+        client._check_stalls(now=1000.0)
+        assert client.hedged_chunks == 1
+        await asyncio.wait_for(both, 10)
+        assert out == data
+        _resume(accepted._streams[stuck.index])
+        await _until(lambda: accepted.stats()["duplicate_chunks"] == 1)
+    finally:
+        await pair.close()
+
+
 async def test_no_copy_while_chunks_are_queued_or_no_stream_is_idle(monkeypatch):
     pair = await open_pair(2, chunk_size=CHUNK)
     try:
         client, accepted = pair.client, pair.accepted
         both, data, out, stuck, other = await _one_chunk_stuck(pair)
         _pause(accepted._streams[other.index])
-        monkeypatch.setattr(link_module, "tcp_send_progress", lambda sock: (10**7, 0))  # both stalled
+        monkeypatch.setattr(link_module, "tcp_info", lambda sock: _kernel(0))  # both stalled
         after = stall_after(client._rtt_s)
         client._check_stalls(now=1000.0)
         client._check_stalls(now=1000.0 + after)

@@ -23,7 +23,7 @@ from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
 from wanlink.probe.rate import DeliveryRateEstimator, KernelAcks, SendingTime, WireTime
 from wanlink.sched.chunking import CopyPool, OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
-from wanlink.sched.hedging import StallWatch, stall_after
+from wanlink.sched.hedging import StallWatch, behind, stall_after
 
 DEFAULT_TIMEOUT = 30.0
 LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
@@ -503,12 +503,13 @@ class Link:
         after = stall_after(self._rtt_s)
         stalled, idle = [], []
         for stream in self._streams:
-            progress = tcp_send_progress(stream.sock) if stream.alive else None
-            if progress is None:
+            info = tcp_info(stream.sock) if stream.alive else None
+            if info is None or info.bytes_acked is None or info.notsent_bytes is None:
                 continue
             unacked = [chunk for chunk in stream.in_flight.values() if not chunk.acked]
-            given, acked = progress
-            if self._stalls.stalled_for(stream.index, acked, given - acked, now) >= after:
+            outstanding = info.unacked * info.snd_mss + info.notsent_bytes
+            if (self._stalls.stalled_for(stream.index, info.bytes_acked, outstanding, now) >= after
+                    or behind(outstanding, info.cwnd_bytes)):
                 if unacked:
                     stalled.append(unacked)
             elif not unacked and not stream.hedges and not stream.sending and not stream.closing:
