@@ -11,21 +11,16 @@ results:
 Callers go through :func:`active` (the public layers in ``wanlink.compress`` and ``wanlink.optim``
 do), so tests can switch implementations with :func:`use`.
 """
-import importlib
 import os
 import sys
-import warnings
 from types import ModuleType
 
-from wanlink.errors import ConfigError, UnsupportedError
+from wanlink import _choice
 from wanlink.kernels import reference
-from wanlink.settings import from_env
 
 __all__ = ["IMPLEMENTATIONS", "NAME", "active", "available", "load", "num_threads", "use"]
 
-IMPLEMENTATIONS = ("compiled", "reference")
-FORCE_REFERENCE_VARIABLE = "WANLINK_PUREPYTHON"
-_REFERENCE_FORCED = from_env().pure_python  # read once, at import: this module is the kernels' edge
+IMPLEMENTATIONS = _choice.IMPLEMENTATIONS
 
 
 def _should_have_compiled() -> bool:
@@ -33,60 +28,26 @@ def _should_have_compiled() -> bool:
     return sys.implementation.name == "cpython" and sys.platform in ("linux", "darwin")
 
 
-def _import_compiled() -> ModuleType | None:
-    try:
-        module = importlib.import_module("wanlink._kernels")
-    except ImportError as exc:
-        if _should_have_compiled():
-            warnings.warn(
-                f"wanlink's compiled kernels are missing ({exc}); using the NumPy reference, 10-100x slower. "
-                "Reinstall with a C compiler and Cython available (`pip install -v` prints a line starting "
-                "'wanlink: compiled kernels' saying why they were skipped), or set "
-                f"{FORCE_REFERENCE_VARIABLE}=1 to choose the reference and silence this warning.",
-                RuntimeWarning, stacklevel=3)
-        return None
-    if getattr(module, "KERNEL_ABI", None) != reference.KERNEL_ABI:
-        warnings.warn("wanlink._kernels is stale (kernel ABI mismatch); rebuild it. Using the NumPy reference.",
-                      RuntimeWarning, stacklevel=3)
-        return None
-    return module
-
-
-_compiled = None if _REFERENCE_FORCED else _import_compiled()
-
-
-def available() -> list[str]:
-    """Implementations usable in this process, best first (only "reference" when forced)."""
-    return (["compiled"] if _compiled is not None else []) + ["reference"]
-
-
-def load(name: str) -> ModuleType:
-    """The module implementing ``name`` ("compiled" or "reference")."""
-    if name == "reference":
-        return reference
-    if name == "compiled":
-        if _compiled is None:
-            reason = f"{FORCE_REFERENCE_VARIABLE} is set" if _REFERENCE_FORCED else "wanlink._kernels is not built"
-            raise UnsupportedError(f"compiled kernels unavailable: {reason}")
-        return _compiled
-    raise ConfigError(f"unknown kernel implementation {name!r}; expected one of {IMPLEMENTATIONS}")
-
-
-_active = load(available()[0])
-NAME = available()[0]
+_choice_made = _choice.Choice(
+    "kernels", "wanlink._kernels", "KERNEL_ABI", reference.KERNEL_ABI, reference,
+    missing_advice=("The NumPy reference is 10-100x slower. Reinstall with a C compiler and Cython available "
+                    "(`pip install -v` prints a line starting 'wanlink: compiled kernels' saying why they were "
+                    f"skipped), or set {_choice.FORCE_REFERENCE_VARIABLE}=1 to choose the reference and silence this "
+                    "warning.") if _should_have_compiled() else None)
+available = _choice_made.available
+load = _choice_made.load
+use = _choice_made.use
 
 
 def active() -> ModuleType:
     """The implementation the public API uses now."""
-    return _active
+    return _choice_made.active
 
 
-def use(name: str) -> str:
-    """Switch the process-wide implementation (for tests and benchmarks); returns the previous name."""
-    global _active, NAME
-    module = load(name)
-    previous, _active, NAME = NAME, module, name
-    return previous
+def __getattr__(name: str):
+    if name == "NAME":  # the name of the implementation in use; changes with use()
+        return _choice_made.name
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def num_threads() -> int:

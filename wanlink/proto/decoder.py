@@ -8,63 +8,28 @@ one decodes headers in C and reads without the GIL. Streams build theirs with :f
 and benchmarks switch implementations with :func:`use`. (A missing build is not warned about here:
 the same build makes ``wanlink._kernels``, whose absence ``wanlink.kernels`` reports.)
 """
-import importlib
-from types import ModuleType
-
-from wanlink.errors import ConfigError, UnsupportedError
+from wanlink import _choice
 from wanlink.proto import frames
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
-from wanlink.settings import from_env
 
 __all__ = ["IMPLEMENTATIONS", "WIRE_ABI", "available", "load", "new", "use"]
 
-IMPLEMENTATIONS = ("compiled", "reference")
+IMPLEMENTATIONS = _choice.IMPLEMENTATIONS
 WIRE_ABI = 1
 """What ``wanlink._wire.WIRE_ABI`` must say for the compiled decoder to be used."""
-_REFERENCE_FORCED = from_env().pure_python  # read once, at import, like wanlink.kernels
-
-
-def _import_compiled() -> ModuleType | None:
-    try:
-        module = importlib.import_module("wanlink._wire")
-    except ImportError:
-        return None
-    return module if getattr(module, "WIRE_ABI", None) == WIRE_ABI else None
-
-
-_compiled = None if _REFERENCE_FORCED else _import_compiled()
-
-
-def available() -> list[str]:
-    """Implementations usable in this process, best first (only "reference" when forced)."""
-    return (["compiled"] if _compiled is not None else []) + ["reference"]
-
-
-def load(name: str) -> type:
-    """The FrameDecoder class implementing ``name`` ("compiled" or "reference")."""
-    if name == "reference":
-        return frames.FrameDecoder
-    if name == "compiled":
-        if _compiled is None:
-            reason = "WANLINK_PUREPYTHON is set" if _REFERENCE_FORCED else "wanlink._wire is not built (or stale)"
-            raise UnsupportedError(f"compiled frame decoder unavailable: {reason}")
-        return _compiled.FrameDecoder
-    raise ConfigError(f"unknown frame decoder implementation {name!r}; expected one of {IMPLEMENTATIONS}")
-
-
-NAME = available()[0]
-_active = load(NAME)
+_choice_made = _choice.Choice("frame decoder", "wanlink._wire", "WIRE_ABI", WIRE_ABI, frames.FrameDecoder,
+                              take=lambda module: module.FrameDecoder)
+available = _choice_made.available
+load = _choice_made.load
+use = _choice_made.use
 
 
 def new(place: frames.PayloadPlacer, limits: Limits = DEFAULT_LIMITS):
-    """A decoder of the active implementation."""
-    return _active(place, limits)
+    """A decoder of the active implementation; streams opened after :func:`use` get the new one."""
+    return _choice_made.active(place, limits)
 
 
-def use(name: str) -> str:
-    """Switch the process-wide implementation (for tests and benchmarks); returns the previous name.
-    Streams opened afterwards use it."""
-    global _active, NAME
-    cls = load(name)
-    previous, _active, NAME = NAME, cls, name
-    return previous
+def __getattr__(name: str):
+    if name == "NAME":  # the name of the implementation in use; changes with use()
+        return _choice_made.name
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
