@@ -7,18 +7,23 @@ configuration's ranks measure every input the models read, all at once so that t
 as in training: the calibration (two 16 MiB all-reduces warm the link, then lone all-reduces of
 64 KiB, 1 MiB and 4 MiB take turns; the ranks' mean time counts), the profile of the step alone
 (``profile_model`` through DDP and the hook over a one-rank group, 20 steps), and the same profile
-beside the training's exchanges (about 6 s of steps; each bucket's collective over the real group
-launched as DDP hands the bucket to the hook, a sparse one decoded as the hook does, waited for
+beside the training's exchanges (about 10 s of steps, as long as training is timed; each bucket's
+collective over the real group launched as DDP hands the bucket to the hook, a sparse one decoded
+as the hook does, waited for
 ``staleness`` steps later as training does): that gives ``comm_slowdown``, the time the exchanges
 took beside compute (which joins the calibration), and the CPU the rank's transport threads spent
 per step. Then they train; the mean period of the slowest rank's iterations (the first 5
 discarded, at least 10 s of them) is compared with the coarse and fine models, given the path's settings
 (RTT, rate, the emulator's 1536 KiB window per flow, the stream count), the path's efficiency and
 per-step send overhead fitted to the calibration (``calibrate_link``, never to the training
-iterations), and per namespace half the host's cores less the emulator's measured share and what
-other (niced) processes took during the busy profile. Two more
+iterations), and per namespace half the host's cores less the emulator's measured share. Two more
 columns: the nominal link, and the goodput wanlink-iperf measured (8 streams, 4 s, before the
 path's configurations), as a probe would give it.
+
+``--repeat N`` measures each configuration N times in a row (each run with its own calibration and
+prediction); the headline compares, per configuration, the mean of its runs' measured times with
+the mean of their predictions (``combine``): a lossy path switches loss regime within seconds, so a
+single run's figure moved by 6 to 7 % on average between runs on this machine.
 
     sudo python3 dev.py bench bench/predict.py [--only NAME...] [--out DIR | --publish]
     python3 dev.py bench bench/predict.py --predict-only --out bench/results
@@ -57,8 +62,11 @@ BUCKET_CAP_MB = 4
 SKIP_FIRST = 5  # iterations not timed: DDP bucket rebuild, TCP ramp-up, the first stale step
 PROFILE_WARMUP, PROFILE_ITERATIONS = 5, 20  # the profile alone (medians over the timed steps)
 BUSY_WARMUP = SKIP_FIRST  # the profile beside the training's exchanges (each step waits for them): as training
-BUSY_STEPS, BUSY_TIMED_S = 12, 6.0  # the busy profile's timed steps: at least 12, about 6 s (busy_iterations)
 TRAIN_TIMED_S = 10.0  # training times at least this long (at the busy profile's step time), after SKIP_FIRST
+# the busy profile's timed steps: at least 12, and about as long as training is timed (busy_iterations): on a
+# lossy path the link switches loss regime within seconds, and the calibration's sample of it should not be
+# noisier than the measurement it predicts
+BUSY_STEPS, BUSY_TIMED_S = 12, TRAIN_TIMED_S
 LOOPBACK_UNIX = ROOT / "bench" / "results" / "loopback_unix.json"  # the 4-rank rows' ranks of one site use Unix sockets
 LINK_STREAMS, LINK_SECONDS = 8, 4  # the path's goodput, measured once per path before its configurations
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
@@ -264,8 +272,8 @@ def thread_schedstat() -> dict[str, list[int]]:
         except OSError:  # a thread that ended between the listing and the read
             return [0, 0]
 
-    threads = [read(tid) for tid in os.listdir("/proc/self/task")]
-    return {"main": read(threading.get_native_id()), "all": [sum(t[i] for t in threads) for i in range(2)]}
+    threads = {int(tid): read(tid) for tid in os.listdir("/proc/self/task")}  # one read each: main's is in all's
+    return {"main": threads[threading.get_native_id()], "all": [sum(t[i] for t in threads.values()) for i in range(2)]}
 
 
 def _delta(before: dict, after: dict) -> dict[str, list[int]]:
@@ -300,7 +308,7 @@ def training_exchanges(dist, torch, profile, config: dict):
     rank's own, sparsified from random values once) and ends, as the sparse hook's does, once every
     rank's message is decoded and averaged into a bucket-sized buffer on wanlink's completion
     thread: CPU the hook over the profile's one-rank group never spends (one message there)."""
-    from wanlink.c10d.sparse_hook import _all_gather_single, _BucketCodec
+    from wanlink.c10d.sparse_hook import BucketCodec, all_gather_single
     from wanlink.plan.choice import Choice, bucket_message_bytes
 
     world = config["ranks"]
@@ -311,14 +319,14 @@ def training_exchanges(dist, torch, profile, config: dict):
             return dist.all_reduce(tensors[index], async_op=True).get_future()
     else:
         generator = torch.Generator().manual_seed(dist.get_rank())
-        codecs = [_BucketCodec(list(bucket.numels), config["density"]) for bucket in profile.buckets]
+        codecs = [BucketCodec(list(bucket.numels), config["density"]) for bucket in profile.buckets]
         messages = [codec.encode(torch.randn(sum(codec.numels), generator=generator)) for codec in codecs]
         gathered = [torch.empty(world * message.numel(), dtype=torch.uint8) for message in messages]
         outs = [torch.empty(sum(codec.numels)) for codec in codecs]
 
         def collective(index):
             codec = codecs[index]
-            work = _all_gather_single(gathered[index], messages[index], async_op=True)
+            work = all_gather_single(gathered[index], messages[index], async_op=True)
             if config["staleness"]:  # the hook's decode: into the next of the bucket's two result buffers
                 result = codec.next_result()
                 return work.get_future().then(lambda _f: result.fill(codec, gathered[index], world))
@@ -637,21 +645,22 @@ def lan_rate(source: Path = LOOPBACK_UNIX) -> str:
 
 def site_cores(row: dict) -> float | None:
     """Cores each namespace's ranks have: the two sites share the host's cores, less what the
-    emulator used during the configuration and what other processes took during the busy profile
-    (``others_cores``; None for rows whose profiles lack their CPU time, measured since 2026-11-26
-    14:30)."""
+    emulator used during the configuration (None for rows whose profiles lack their CPU time,
+    measured since 2026-11-26 14:30). What other (niced) processes took (``others_cores``) is not
+    taken off: at nice 19 they mostly fill cores the ranks leave idle, and taking it off made the
+    staleness-1 rows of both validation runs of 2026-11-27 01:00-01:30 read 5 % slower than without
+    (docs/plan.md)."""
     if "host_cores" not in row or not all(doc.get("cpu_s") for doc in row["profiles"]):
         return None  # without the profiles' CPU time their wall time (shared cores) would count twice
-    return max(row["host_cores"] - row["emulator_cores"] - others_cores(row), 0.1) / 2
+    return max(row["host_cores"] - row["emulator_cores"], 0.1) / 2
 
 
 def others_cores(row: dict) -> float:
     """The cores other processes took while the ranks ran the busy profile (all of them busy, in
-    training's rhythm, before training): the host's CPU at nice > 0 in that phase. On this shared
-    machine other sessions' jobs run at nice 19; at that weight they still took 0.2 of the 2 cores
-    beside two staleness-1 ranks (2026-11-27 00:57, load 6-9), as much in training as in the busy
-    profile. 0 for rows measured before 2026-11-27 and for a bench run niced itself (then the
-    ranks' own CPU is niced)."""
+    training's rhythm, before training): the host's CPU at nice > 0 in that phase, reported with
+    the machine's load (other sessions' jobs run at nice 19 here), not given to the models
+    (``site_cores``). 0 for rows measured before 2026-11-27 and for a bench run niced itself (then
+    the ranks' own CPU is niced)."""
     if not row.get("bench_nice_zero") or "profiles" not in row.get("host_cpu_ticks", {}):
         return 0.0
     nice, _idle, total = row["host_cpu_ticks"]["profiles"]
@@ -728,11 +737,16 @@ def predict(row: dict) -> dict:
     return out
 
 
-def plot(run, rows: list[dict], name: str):
+def plot(run, rows: list[dict], name: str, runs: list[dict] = ()):
+    """Predicted against measured: ``rows`` (the configurations' means), and the fine prediction of
+    each of ``runs`` where a configuration was measured more than once."""
     from bench.reporting import legend_outside, new_figure
 
     fig, ax = new_figure(figsize=(7, 6.5))
     measured = [r["measured_s"] for r in rows]
+    if len(runs) > len(rows):
+        ax.scatter([r["measured_s"] for r in runs], [r["fine_s"] for r in runs], label="fine, each run", marker=".",
+                   color="lightgrey")
     ax.scatter(measured, [r["fine_s"] for r in rows], label="fine (discrete-event)", marker="o")
     ax.scatter(measured, [r["coarse_s"] for r in rows], label="coarse (closed form)", marker="x")
     ax.scatter(measured, [r["profile_only_fine_s"] for r in rows], label="fine, profile and nominal link only",
@@ -742,7 +756,7 @@ def plot(run, rows: list[dict], name: str):
     ax.plot([low, high], [low, high], color="grey", linewidth=1, label="predicted = measured")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("measured seconds per iteration (mean period, slowest rank)")
+    ax.set_xlabel("measured seconds per iteration (mean period, slowest rank; mean of the runs)")
     ax.set_ylabel("predicted seconds per iteration")
     for r in rows:
         ax.annotate(r["name"], (r["measured_s"], r["fine_s"]), fontsize=6, xytext=(3, -3), textcoords="offset points")
@@ -751,6 +765,46 @@ def plot(run, rows: list[dict], name: str):
 
 
 KEYS = ("fine", "coarse", "profile_only_fine", "profile_only_coarse", "iperf_fine", "iperf_coarse")
+
+
+def _groups(rows: list[dict]) -> list[list[dict]]:
+    """The rows of each configuration (NAME and NAME (repeat K)), in the order measured."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row.get("configuration", row["name"]), []).append(row)
+    return list(groups.values())
+
+
+def combine(rows: list[dict]) -> list[dict]:
+    """Per configuration (``_groups``), the mean of its runs' measured times, of each run's
+    predictions (every run calibrated on its own) and of their loads, and the errors of those means;
+    ``measured_spread_pct``: how far its runs' measured times lie apart, against their mean."""
+    out = []
+    for runs in _groups(rows):
+        measured = [r["measured_s"] for r in runs]
+        means = {key: statistics.fmean(r[key] for r in runs)
+                 for key in ("measured_s", "load1", *(f"{k}_s" for k in KEYS))}
+        combined = {"name": runs[0].get("configuration", runs[0]["name"]), "runs": len(runs), **means,
+                    "run_measured_s": measured, "run_fine_error_pct": [r["fine_error_pct"] for r in runs],
+                    "measured_spread_pct": 100 * (max(measured) - min(measured)) / means["measured_s"]}
+        for key in KEYS:
+            combined[f"{key}_error"] = combined[f"{key}_s"] / combined["measured_s"] - 1
+            combined[f"{key}_error_pct"] = 100 * combined[f"{key}_error"]
+        out.append(combined)
+    return out
+
+
+def _errors(rows: list[dict]) -> dict[str, float]:
+    summary = {}
+    for key in KEYS:
+        errors = [abs(r[f"{key}_error"]) for r in rows]
+        summary.update({f"{key}_mean_abs_error": statistics.mean(errors), f"{key}_max_abs_error": max(errors)})
+    return summary
+
+
+def _summary_line(summary: dict[str, float]) -> str:
+    return "; ".join(f"{key.replace('_', ' ')}: mean |error| {100 * summary[key + '_mean_abs_error']:.1f} %, "
+                     f"max {100 * summary[key + '_max_abs_error']:.1f} %" for key in KEYS)
 
 
 def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP_FIRST) -> None:
@@ -786,16 +840,27 @@ def report(run, rows: list[dict], load: dict | list, name: str, skip: int = SKIP
                        ("iperf_fine_s", "fine, iperf link s", ".3f"), ("iperf_fine_error_pct", "err %", "+.1f"),
                        ("iperf_efficiency", "iperf/nominal", ".2f"),
                        ("efficiency", "fitted eff", ".2f"), ("send_overhead_ms", "overhead ms", ".1f")])
-    summary = {}
-    for key in KEYS:
-        errors = [abs(r[f"{key}_error"]) for r in rows]
-        summary.update({f"{key}_mean_abs_error": statistics.mean(errors), f"{key}_max_abs_error": max(errors)})
-    print("\n" + "; ".join(f"{key.replace('_', ' ')}: mean |error| {100 * summary[key + '_mean_abs_error']:.1f} %, "
-                           f"max {100 * summary[key + '_max_abs_error']:.1f} %"
-                           for key in KEYS)
-          + f"; load {load}")
-    print("wrote", run.save_json(name, {"rows": rows, "summary": summary, "load": load, "skip_first": skip}))
-    print("wrote", plot(run, rows, name))
+    configurations = combine(rows)
+    # each run alone: the K-th run of every configuration measured at least K times
+    by_run = [[group[k] for group in _groups(rows) if len(group) > k]
+              for k in range(max(c["runs"] for c in configurations))]
+    run_summaries = [{"rows": len(runs), **_errors(runs)} for runs in by_run]
+    if len(rows) > len(configurations):
+        print("\nPer configuration, the mean of its runs (measured and each prediction):")
+        print_table(configurations, [
+            ("name", "configuration", ""), ("runs", "runs", "d"), ("load1", "load", ".1f"),
+            ("measured_s", "measured s", ".3f"), ("measured_spread_pct", "runs apart %", ".1f"),
+            ("coarse_s", "coarse s", ".3f"), ("coarse_error_pct", "coarse err %", "+.1f"),
+            ("fine_s", "fine s", ".3f"), ("fine_error_pct", "fine err %", "+.1f"),
+            ("profile_only_fine_error_pct", "nominal link err %", "+.1f"),
+            ("iperf_fine_error_pct", "iperf link err %", "+.1f")])
+        for k, summary in enumerate(run_summaries):
+            print(f"run {k + 1} alone ({summary['rows']} configurations): {_summary_line(summary)}")
+    summary = _errors(configurations)
+    print("\n" + _summary_line(summary) + f"; load {load}")
+    print("wrote", run.save_json(name, {"rows": rows, "configurations": configurations, "summary": summary,
+                                        "run_summaries": run_summaries, "load": load, "skip_first": skip}))
+    print("wrote", plot(run, configurations, name, rows))
 
 
 SLOW_RANK_S_PER_SAMPLE = 0.001  # rank 1's injected slowdown: it sleeps this long per sample each step

@@ -362,10 +362,10 @@ CODEC_NUMELS = [10, 640, 64, 4096, 5, 2048]  # a DDP bucket's order: ragged tail
 
 def _codec_messages(density, steps=3, world=2):
     """Per step, every rank's message from its own codec, and the dense vectors each rank's frames stand for."""
-    from wanlink.c10d.sparse_hook import _BucketCodec
+    from wanlink.c10d.sparse_hook import BucketCodec
     from wanlink.compress import decode_blocks
 
-    codecs = [_BucketCodec(CODEC_NUMELS, density) for _ in range(world)]
+    codecs = [BucketCodec(CODEC_NUMELS, density) for _ in range(world)]
     generator = torch.Generator().manual_seed(7)
     total = sum(CODEC_NUMELS)
     for _ in range(steps):
@@ -408,9 +408,9 @@ def test_bucket_codec_averages_like_the_frames_it_sends(density):
 
 
 def test_bucket_codec_masks_the_sent_blocks_of_the_velocity():
-    from wanlink.c10d.sparse_hook import _BucketCodec
+    from wanlink.c10d.sparse_hook import BucketCodec
 
-    codec = _BucketCodec(CODEC_NUMELS, 0.1)
+    codec = BucketCodec(CODEC_NUMELS, 0.1)
     velocity = torch.randn(sum(CODEC_NUMELS)) + 10
     message = codec.encode(velocity.clone(), mask_sent=velocity)
     sent = codec.average_into(torch.cat([message, message]), 2, torch.zeros_like(velocity))
@@ -434,10 +434,10 @@ def test_bucket_codec_rejects_a_malformed_frame(corrupt, error):
 
 
 def test_bucket_codec_names_a_model_mismatch():
-    from wanlink.c10d.sparse_hook import _BucketCodec
+    from wanlink.c10d.sparse_hook import BucketCodec
 
     codec, gathered, _ = next(_codec_messages(0.2))
-    other = _BucketCodec(CODEC_NUMELS[:-1] + [2064], 0.2)  # rank 1's last gradient is 16 elements larger
+    other = BucketCodec(CODEC_NUMELS[:-1] + [2064], 0.2)  # rank 1's last gradient is 16 elements larger
     mine = gathered[:codec.message_size]
     theirs = other.encode(torch.randn(int(other.element_offsets[-1])))
     assert theirs.numel() == mine.numel()  # same k, so the same size: only the frames can tell

@@ -25,42 +25,49 @@ def profile(buckets=((4_000_000, 0.02),), forward=0.01, backward=0.02, step=0.00
                    tuple(Bucket(int(nbytes), ready, (int(nbytes) // 4,)) for nbytes, ready in buckets))
 
 
-def test_two_rank_ring_by_hand():
-    # 4 MB all-reduce between two ranks: each sends 2 MB, twice, at 10 MB/s = 0.4 s of sending;
-    # then 2 one-way delays (reduce-scatter, all-gather) = 40 ms; no acknowledgement (a send ends
-    # once written, a member's part once its peer's bytes arrived)
+def test_two_rank_all_reduce_by_hand():
+    # 4 MB all-reduce between two ranks, one piece (wanlink goes direct: a ring could not pipeline
+    # it): each sends the other its 4 MB at 10 MB/s = 0.4 s, then one one-way delay of 20 ms; no
+    # acknowledgement (a send ends once written, a member's part once its peer's bytes arrived)
     cluster, prof = two_sites(), profile()
-    expected = 0.01 + max(0.02, 0.02 + 0.4 + 0.04) + 0.005
+    expected = 0.01 + max(0.02, 0.02 + 0.4 + 0.02) + 0.005
     assert simulate(cluster, prof).iteration_s == pytest.approx(expected)
     assert coarse(cluster, prof).iteration_s == pytest.approx(expected)
+    # 8 MB, two pieces: the ring, each rank sends 4 MB twice (reduce-scatter, all-gather) = 0.8 s,
+    # and 2 one-way delays
+    ring = profile(buckets=((8_000_000, 0.02),))
+    expected = 0.01 + 0.02 + 0.8 + 0.04 + 0.005
+    assert simulate(cluster, ring).iteration_s == pytest.approx(expected)
+    assert coarse(cluster, ring).iteration_s == pytest.approx(expected)
 
 
 def test_send_overhead_adds_to_every_wan_step():
-    # the two ring steps each take 5 ms more
-    prof = profile()
-    base = simulate(two_sites(), prof).iteration_s
-    assert simulate(two_sites(overhead="5 ms"), prof).iteration_s == pytest.approx(base + 0.010)
-    assert coarse(two_sites(overhead="5 ms"), prof).iteration_s == pytest.approx(base + 0.010)
+    # the two ring steps (8 MB: two pieces) each take 5 ms more, the direct exchange's one step too
+    for nbytes, steps in ((8_000_000, 2), (4_000_000, 1)):
+        prof = profile(buckets=((nbytes, 0.02),))
+        base = simulate(two_sites(), prof).iteration_s
+        assert simulate(two_sites(overhead="5 ms"), prof).iteration_s == pytest.approx(base + 0.005 * steps)
+        assert coarse(two_sites(overhead="5 ms"), prof).iteration_s == pytest.approx(base + 0.005 * steps)
 
 
 def test_window_limited_single_stream_by_hand():
-    # one stream, 1 MB window, 100 ms RTT: the first window leaves at line rate (100 MB/s), the other
-    # 3 MB at 1 MB per RTT = 10 MB/s; plus the 2 steps' one-way delays of 50 ms
+    # one stream, 1 MB window, 100 ms RTT, a 4 MB direct exchange: the first window leaves at line
+    # rate (100 MB/s), the other 3 MB at 1 MB per RTT = 10 MB/s; plus its one-way delay of 50 ms
     cluster = two_sites(rtt="100 ms", rate="800 Mbit/s", window="1 MB", streams=1)
     prof = profile(buckets=((4_000_000, 0.0),), forward=0.0, backward=0.0, step=0.0)
-    expected = 1 / 100 + 3 / 10 + 0.10
+    expected = 1 / 100 + 3 / 10 + 0.05
     assert simulate(cluster, prof).iteration_s == pytest.approx(expected)
     assert coarse(cluster, prof).iteration_s == pytest.approx(expected)
-    # two streams carry the two 1 MB chunks of every 2 MB send: twice the windowed rate
+    # two streams carry the 1 MB chunks two at a time: twice the windowed rate
     striped = two_sites(rtt="100 ms", rate="800 Mbit/s", window="1 MB", streams=2)
-    assert simulate(striped, prof).iteration_s == pytest.approx(2 / 100 + 2 / 20 + 0.10)
+    assert simulate(striped, prof).iteration_s == pytest.approx(2 / 100 + 2 / 20 + 0.05)
 
 
 def test_more_streams_than_chunks_do_not_help():
-    cluster = two_sites(rtt="100 ms", rate="8 Gbit/s", window="0.25 MB", streams=2)
+    cluster = two_sites(rtt="100 ms", rate="8 Gbit/s", window="0.25 MB", streams=4)
     many = two_sites(rtt="100 ms", rate="8 Gbit/s", window="0.25 MB", streams=16)
-    prof = profile(buckets=((4_000_000, 0.0),), forward=0.0, backward=0.0, step=0.0)
-    # 2 MB sends in 1 MB chunks keep at most 2 streams busy
+    prof = profile(buckets=((8_000_000, 0.0),), forward=0.0, backward=0.0, step=0.0)
+    # the ring's 4 MB sends (8 MB: two pieces) in 1 MB chunks keep at most 4 streams busy
     assert simulate(cluster, prof).iteration_s == pytest.approx(simulate(many, prof).iteration_s)
 
 
@@ -206,18 +213,36 @@ def test_one_rank_has_no_communication():
 def test_concurrent_buckets_share_the_links_windows():
     # one stream, 1 MB window, 100 ms RTT, two 4 MB buckets at once (FCFS): the first's first window
     # leaves at line rate, its other 3 MB at the stream's 10 MB/s; the second finds the link's
-    # window in use (no burst) and sends its 4 MB at 10 MB/s after it; then its 2 steps' one-way delays
+    # window in use (no burst) and sends its 4 MB at 10 MB/s after it; then its direct exchange's
+    # one-way delay
     cluster = two_sites(rtt="100 ms", rate="800 Mbit/s", window="1 MB", streams=1)
     prof = profile(buckets=((4_000_000, 0.0), (4_000_000, 0.0)), forward=0.0, backward=0.0, step=0.0)
-    assert simulate(cluster, prof).iteration_s == pytest.approx(1 / 100 + 3 / 10 + 4 / 10 + 0.10)
+    assert simulate(cluster, prof).iteration_s == pytest.approx(1 / 100 + 3 / 10 + 4 / 10 + 0.05)
 
 
 def test_coarse_runs_buckets_side_by_side_when_one_cannot_fill_the_link():
-    # 4 streams of a 1 MB window at 100 ms RTT: 40 MB/s for the link, 10 MB/s for one 1 MB send. Four
-    # 2 MB buckets ready at once (2 ring steps of 1 MB each): side by side they share the link's
-    # 40 MB/s, 0.2 s for all, then the 2 steps' one-way delays; one after another they would take 0.4 s
-    cluster = two_sites(rtt="100 ms", rate="8 Gbit/s", window="1 MB", streams=4)
-    prof = profile(buckets=((2_000_000, 0.0),) * 4, forward=0.0, backward=0.0, step=0.0)
+    # 16 streams of a 1 MB window at 100 ms RTT: 160 MB/s for the link, 40 MB/s for one bucket's 4 MB
+    # sends (4 chunks). Four 8 MB buckets ready at once (two pieces: the ring, 2 steps of 4 MB): side
+    # by side they share the link's 160 MB/s, 0.2 s for all, then the 2 steps' one-way delays; one
+    # after another they would take 0.8 s
+    cluster = two_sites(rtt="100 ms", rate="8 Gbit/s", window="1 MB", streams=16)
+    prof = profile(buckets=((8_000_000, 0.0),) * 4, forward=0.0, backward=0.0, step=0.0)
     fine = simulate(cluster, prof).iteration_s
     assert fine == pytest.approx(0.2 + 0.1, rel=0.02)
     assert coarse(cluster, prof).iteration_s == pytest.approx(fine, rel=0.02)
+
+
+def test_flat_collectives_go_direct_where_wanlinks_ring_would_not_pipeline():
+    # wanlink.collectives.choice: a ring of one piece cannot pipeline; wanlink exchanges directly (one hop)
+    two, four = Network.of(two_sites()), Network.of(two_sites(ranks=(2, 2)))
+    hop = 0.02  # 40 ms RTT
+
+    def hops(net, nbytes, sparse):
+        (transfer,), = flat_collective(net, nbytes, sparse, "b")
+        return round(transfer.latency_s / hop)
+
+    assert hops(two, 4_000_000, False) == 1  # two members, one piece: direct
+    assert hops(two, 8_000_000, False) == 2  # two pieces: the ring's reduce-scatter and all-gather
+    assert hops(four, 4_000_000, False) > 1  # more members: the ring (wanlink's halving is not modelled)
+    assert hops(four, 4_000_000, True) == 1  # an all-gather of one-piece messages: direct
+    assert hops(four, 8_000_000, True) > 1  # of larger ones: the ring

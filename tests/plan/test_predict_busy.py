@@ -66,7 +66,7 @@ def test_a_sparse_exchange_ends_once_every_ranks_message_is_decoded(monkeypatch)
         launched.append((gathered, message, torch.futures.Future()))
         return _Work(launched[-1][2])
 
-    monkeypatch.setattr(sparse_hook, "_all_gather_single", all_gather)
+    monkeypatch.setattr(sparse_hook, "all_gather_single", all_gather)
     start = predict.training_exchanges(_Dist(), torch, PROFILE, {"ranks": 2, "density": 0.01, "staleness": 0})
     finish = start()
     start.launch(0)
@@ -98,14 +98,32 @@ def test_training_times_at_least_train_timed_s():
     assert predict.training_iterations(config, 0.025) == predict.SKIP_FIRST + 400
 
 
-def test_a_sites_cores_are_what_the_emulator_and_other_processes_leave():
+def test_a_sites_cores_are_what_the_emulator_leaves_whatever_niced_processes_took():
     row = {"host_cores": 2, "emulator_cores": 0.1, "profiles": [{"cpu_s": 0.02}], "bench_nice_zero": True,
            "host_cpu_ticks": {"profiles": [20, 0, 200], "timed iterations": [100, 0, 200]}}
-    assert predict.others_cores(row) == pytest.approx(0.2)  # the busy profile's phase, not training's
-    assert predict.site_cores(row) == pytest.approx((2 - 0.1 - 0.2) / 2)
+    assert predict.others_cores(row) == pytest.approx(0.2)  # reported: the busy profile's phase, not training's
+    assert predict.site_cores(row) == pytest.approx((2 - 0.1) / 2)  # niced jobs mostly fill idle cores
     assert predict.others_cores({**row, "bench_nice_zero": False}) == 0.0  # niced bench: its own ranks are niced
-    del row["host_cpu_ticks"]
-    assert predict.site_cores(row) == pytest.approx((2 - 0.1) / 2)  # rows measured before
+    assert predict.site_cores({**row, "profiles": [{"cpu_s": 0.0}]}) is None  # no CPU time: no cores bound
+
+
+def _run(name, measured, fine, load=3.0, repeat=None):
+    errors = {f"{key}_s": fine for key in predict.KEYS}
+    errors.update({f"{key}_error": fine / measured - 1 for key in predict.KEYS})
+    return {"name": name if repeat is None else f"{name} (repeat {repeat})", "configuration": name,
+            "measured_s": measured, "load1": load, "fine_error_pct": 100 * (fine / measured - 1), **errors}
+
+
+def test_a_configuration_measured_twice_compares_the_mean_of_its_runs_with_the_mean_of_their_predictions():
+    rows = [_run("a", 0.30, 0.33), _run("a", 0.26, 0.25, load=5.0, repeat=2), _run("b", 1.0, 1.1)]
+    a, b = predict.combine(rows)
+    assert (a["name"], a["runs"], b["runs"]) == ("a", 2, 1)
+    assert a["measured_s"] == pytest.approx(0.28) and a["fine_s"] == pytest.approx(0.29)
+    assert a["fine_error"] == pytest.approx(0.29 / 0.28 - 1)  # not the mean of +10 % and -3.8 %
+    assert a["load1"] == pytest.approx(4.0)
+    assert a["measured_spread_pct"] == pytest.approx(100 * 0.04 / 0.28)
+    assert b["fine_error"] == pytest.approx(0.1)
+    assert [[r["name"] for r in group] for group in predict._groups(rows)] == [["a", "a (repeat 2)"], ["b"]]
 
 
 def test_schedstat_reads_this_process_threads():

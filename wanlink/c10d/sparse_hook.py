@@ -36,6 +36,12 @@ Fidelity guard (``fidelity_guard=True``, wanlink/c10d/fidelity_guard.py): below 
 watches the size of this rank's gradient and warns once (SparseFidelityWarning) when, after
 ``max(500, 5 / density)`` sparse steps, it is still 20 % or more of its largest: a model
 still learning, which pays error feedback's delay to the end (docs/sparse.md, "Fidelity").
+
+Exchanging a bucket as the hook does, without DDP (a bench timing the hook's traffic and CPU, a
+planner): ``BucketCodec(numels, density)`` encodes a bucket-shaped tensor into its message and
+averages the messages every rank sent (``average_into``, or ``next_result().fill`` as staleness 1
+does), and ``all_gather_single`` is the all-gather into one tensor that carries them (torch's name
+for it in this version).
 """
 # no `from __future__ import annotations`: DDP checks the hook's annotations as real objects
 import itertools
@@ -55,10 +61,10 @@ from wanlink.compress import BlockSparsifier, BucketSparsifier, decode_blocks, e
 from wanlink.errors import ConfigError, SparseFidelityWarning, UnsupportedError
 
 BLOCK = 16
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 
 
-class _BucketCodec:
+class BucketCodec:
     """One bucket's sparsification and the layout of its message: one block-COO frame per gradient.
 
     The whole bucket is sparsified in one kernel call (BucketSparsifier: per gradient its own blocks,
@@ -119,10 +125,10 @@ class _BucketCodec:
             mask_sent.numpy()[positions[valid]] = 0
         return message
 
-    def with_density(self, density: float) -> "_BucketCodec":
+    def with_density(self, density: float) -> "BucketCodec":
         """A codec for the same gradients at another density, carrying over each sparsifier's residual
         and threshold (so error feedback loses nothing); this one stays valid for exchanges in flight."""
-        codec = _BucketCodec(self.numels, density, self.trailer)
+        codec = BucketCodec(self.numels, density, self.trailer)
         for new, old in zip(codec.sparsifiers, self.sparsifiers):
             new.load_state_dict(old.state_dict())
         return codec
@@ -217,7 +223,7 @@ class _ResultBuffer:
         self.tensor = torch.zeros(numel, dtype=torch.float32)
         self.nonzero: np.ndarray | None = None
 
-    def fill(self, codec: _BucketCodec, gathered: torch.Tensor, world: int) -> torch.Tensor:
+    def fill(self, codec: BucketCodec, gathered: torch.Tensor, world: int) -> torch.Tensor:
         self.nonzero = codec.average_into(gathered, world, self.tensor, self.nonzero)
         return self.tensor
 
@@ -268,7 +274,7 @@ class BlockSparseState:
         self.momentum = float(momentum)
         self.iteration = 0
         self.bytes_sent = 0
-        self._codecs: dict[int, _BucketCodec] = {}
+        self._codecs: dict[int, BucketCodec] = {}
         self._sparsifier_of: dict[torch.Tensor, BlockSparsifier] = {}  # parameter -> its sparsifier now
         self._elements: dict[torch.Tensor, int] = {}  # density="auto": parameter -> elements, for the full size
         self._auto_step: int | None = None
@@ -292,11 +298,11 @@ class BlockSparseState:
         _watch(self)
 
     # -- used by the hook ------------------------------------------------------------------------
-    def codec_for(self, index: int, params: list) -> _BucketCodec:
+    def codec_for(self, index: int, params: list) -> BucketCodec:
         numels = [param.numel() for param in params]
         codec = self._codecs.get(index)
         if codec is None or codec.numels != numels:  # first use, or DDP rebuilt its buckets
-            codec = _BucketCodec(numels, self.density, PROPOSAL_BYTES if self.auto else 0)
+            codec = BucketCodec(numels, self.density, PROPOSAL_BYTES if self.auto else 0)
             for param, sparsifier in zip(params, codec.sparsifiers):
                 previous = self._sparsifier_of.get(param)
                 if previous is not None:  # the parameter's residual from its bucket before the rebuild
@@ -441,7 +447,7 @@ class BlockSparseState:
         self._loaded_velocities = [v.clone() for v in state.get("velocities", [])]
         self._codecs = {}
         for index, sparsifier_states in state["buckets"].items():
-            codec = _BucketCodec([s["numel"] for s in sparsifier_states], self.density)
+            codec = BucketCodec([s["numel"] for s in sparsifier_states], self.density)
             for sparsifier, saved in zip(codec.sparsifiers, sparsifier_states):
                 sparsifier.load_state_dict(saved)
             self._codecs[int(index)] = codec
@@ -536,7 +542,7 @@ def block_sparse_hook(state: BlockSparseState, bucket: dist.GradBucket) -> torch
     world = state.world_size()
     gathered = torch.empty(world * codec.message_size, dtype=torch.uint8)
     with deadline_scope((iteration, -index)):
-        work = _all_gather_single(gathered, message, group=state.process_group, async_op=True)
+        work = all_gather_single(gathered, message, group=state.process_group, async_op=True)
     state.bytes_sent += message.numel() * (world - 1)
 
     if state.sparse_optimizer:

@@ -11,8 +11,12 @@ counts against that link's ``streams x window / RTT`` (resource ``(WINDOW, group
 first windows are out. ``latency_s`` is what the collective's chain of hops adds on top (one one-way delay per
 sequential step, no acknowledgement: a send ends once written), charged after its bytes.
 
-Algorithms follow wanlink's: direct exchange up to ``DIRECT_MAX_BYTES`` per member, pipelined
-rings above; dense buckets all-reduce, sparse ones all-gather block-COO frames. ``site``
+Algorithms follow wanlink's (``wanlink.collectives.choice``): direct exchange up to
+``DIRECT_MAX_BYTES`` per member, and in a flat group also where a ring would carry one piece (it
+could not pipeline): a two-member all-reduce of at most ``PIECE_BYTES``, an all-gather of messages
+of at most ``PIECE_BYTES`` each; pipelined rings above (a flat all-reduce of more than two members
+whose segments are one piece each runs recursive halving in wanlink, modelled as the ring);
+dense buckets all-reduce, sparse ones all-gather block-COO frames. ``site``
 collectives reduce inside each site, cross the WAN in ``cells``
 parallel exchanges of one host per site, and spread the result inside each site (wanlink's
 ``collectives/hierarchical.py`` with every member of a site in use is ``cells`` = ranks per site).
@@ -194,7 +198,8 @@ def flat_collective(net: Network, nbytes: int, sparse: bool, label: str) -> Phas
     k = len(members)
     if k == 1:
         return []
-    if nbytes <= DIRECT_MAX_BYTES:
+    one_piece = nbytes <= PIECE_BYTES and (sparse or k == 2)  # the ring would not pipeline: wanlink goes direct
+    if nbytes <= DIRECT_MAX_BYTES or one_piece:
         return [[all_pairs(net, members, nbytes, ("flat",), label)]]
     if sparse:  # ring all-gather: k-1 steps of one message each
         return [[ring(net, members, (k - 1) * nbytes, k - 1, ("flat",), label)]]
