@@ -25,13 +25,14 @@ MLP of bench/e2e_training.py across the 4 ranks, dense and block-sparse (1 %), m
 iteration after the first two (site-aware and flat ring; no gloo). Needs root (namespaces).
 
 ``--streams N`` sets ``WANLINK_STREAMS`` on every rank (both modes alike; unset, each link probes its
-own count when it opens). ``--trace`` (part p2p) records every rank's striping steps (control messages,
+own count when it opens); ``--congestion NAME`` sets ``WANLINK_CONGESTION`` on every rank alike
+(unset: wanlink's default, bbr). ``--trace`` (part p2p) records every rank's striping steps (control messages,
 the cell leader's actions, each send and receive of 1 MiB or more per hop with its start and end, where
 each rank's timing of a case starts), each
 rank's and the machine's CPU every 100 ms and every link's stream count, into <name>_trace.txt.
 
     sudo python3 -m bench.sites [--parts collectives ddp p2p] [--rates 250 500] [--sizes-mib 64 256] [--iters 2]
-        [--streams N] [--p2p-cases send pipelines] [--trace] [--name sites] [--out DIR | --publish]
+        [--streams N] [--congestion NAME] [--p2p-cases send pipelines] [--trace] [--name sites] [--out DIR | --publish]
 
 Writes <name>.{json,png} to --out (bench/results/ with --publish).
 """
@@ -243,7 +244,8 @@ def run_mode(sites, mode: str, args, gloo: bool, parts: list[str], extra_env: di
         procs = []
         for rank, name in enumerate(HOSTS):
             env = child_env(WANLINK_SITE=MODES.get(mode, MODES["site-aware"])(name),
-                            **({"WANLINK_STREAMS": str(args.streams)} if args.streams else {}), **(extra_env or {}))
+                            **({"WANLINK_STREAMS": str(args.streams)} if args.streams else {}),
+                            **({"WANLINK_CONGESTION": args.congestion} if args.congestion else {}), **(extra_env or {}))
             procs.append(sites.popen(name, [*common, "--rank", str(rank), "--address", sites.host(name).addr],
                                      env=env, cwd=ROOT))
         codes = [proc.wait(timeout=3600) for proc in procs]
@@ -383,10 +385,12 @@ def _sample_wan_links() -> None:
 
 
 def trace_links() -> None:
-    """Every link's stream count and chunk size (the probe chose them when the link opened)."""
+    """Every link's stream count, chunk size (the probe chose them when the link opened) and its streams'
+    congestion controls."""
     import wanlink
 
-    _record("links", {key: (link["streams"], link["chunk_size"] >> 10) for key, link in wanlink.stats().items()})
+    _record("links", {key: (link["streams"], link["chunk_size"] >> 10, sorted(set(filter(None, link["congestion"]))))
+                      for key, link in wanlink.stats().items()})
 
 
 def _sample_cpu() -> None:
@@ -487,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddp-iterations", type=int, default=6, help="per variant; the first two are not counted")
     parser.add_argument("--streams", type=int, default=None,
                         help="TCP streams per link on every rank (WANLINK_STREAMS; default: each link probes its own)")
+    parser.add_argument("--congestion", default=None,
+                        help="TCP congestion control of every rank's streams (WANLINK_CONGESTION; default: bbr)")
     parser.add_argument("--p2p-cases", nargs="+", choices=("send", "pipelines"), default=["send", "pipelines"],
                         help="part p2p: (b) one send, (c) two pipelines")
     parser.add_argument("--trace", action="store_true",

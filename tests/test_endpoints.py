@@ -154,3 +154,20 @@ async def test_a_malformed_variable_fails_before_connecting(monkeypatch, variabl
     monkeypatch.setenv(variable, value)
     with pytest.raises(ConfigError, match=variable):
         await wanlink.connect("127.0.0.1", 1, secret=SECRET)
+
+
+@pytest.mark.asyncio
+async def test_wanlink_congestion_chooses_every_streams_congestion_control_on_both_sides(monkeypatch):
+    monkeypatch.setenv("WANLINK_CONGESTION", "reno")  # built into every Linux kernel; not the loopback default here
+    async with Peer() as peer:
+        link = await asyncio.wait_for(wanlink.connect("127.0.0.1", peer.server.port, streams=2, secret=SECRET), LIMIT)
+        try:
+            assert link.stats()["congestion"] == ["reno", "reno"]
+            await asyncio.wait_for(_until(lambda: peer.links), LIMIT)
+            assert peer.links[0].stats()["congestion"] == ["reno", "reno"]
+        finally:
+            await link.close()
+    monkeypatch.setenv("WANLINK_CONGESTION", "nosuchcc")
+    async with Peer() as peer:
+        with pytest.raises(ConfigError, match="nosuchcc"):
+            await asyncio.wait_for(wanlink.connect("127.0.0.1", peer.server.port, streams=1, secret=SECRET), LIMIT)

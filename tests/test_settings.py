@@ -19,8 +19,9 @@ def test_values_are_parsed_into_typed_fields():
     parsed = settings.from_env({
         "WANLINK_STREAMS": "8", "WANLINK_UNIX": "0", "WANLINK_COMPRESS": "yes", "WANLINK_SECRET": "s",
         "WANLINK_CHUNK_SIZE": str(1 << 20), "WANLINK_PIECE_BYTES": "65536", "WANLINK_ADDR": " ",
-        "WANLINK_CHUNK_ORDER": " FCFS",
+        "WANLINK_CHUNK_ORDER": " FCFS", "WANLINK_CONGESTION": " Cubic",
     })
+    assert parsed.congestion == "cubic"
     assert parsed.chunk_order == "fcfs"
     assert parsed.streams == 8 and parsed.unix is False and parsed.compress is True
     assert parsed.secret == "s" and parsed.chunk_size == 1 << 20 and parsed.piece_bytes == 65536
@@ -36,7 +37,7 @@ def test_streams_auto_is_kept_apart_from_unset():
     ("WANLINK_STREAMS", "many"), ("WANLINK_STREAMS", "0"), ("WANLINK_STREAMS", "65"),
     ("WANLINK_CHUNK_SIZE", "1024"), ("WANLINK_UNIX", "maybe"), ("WANLINK_PIECE_BYTES", "0"),
     ("WANLINK_DIRECT_MAX_BYTES", "-1"), ("WANLINK_GC_FREEZE", "2"),
-    ("WANLINK_CHUNK_ORDER", "random"),
+    ("WANLINK_CHUNK_ORDER", "random"), ("WANLINK_CONGESTION", "bbr; rm"), ("WANLINK_CONGESTION", "x" * 16),
 ])
 def test_a_bad_value_names_the_variable(name, value):
     with pytest.raises(ConfigError, match=name):

@@ -56,6 +56,8 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     64 streams until doubling gains under 5 %; ``WANLINK_STREAMS=auto`` probes even towards
     loopback, where the default is 4 without probing). ``secret`` defaults to WANLINK_SECRET and
     ``chunk_size`` to WANLINK_CHUNK_SIZE, else the probe's choice (4 MiB over loopback).
+    ``congestion`` defaults to WANLINK_CONGESTION, else bbr towards a remote peer where the kernel
+    has it (``wanlink.io.sockets.configure_stream_socket``).
     ``timeout`` bounds the connection set-up and is the link's silence timeout afterwards.
     ``unix_name``: the server's abstract Unix socket (``Server.unix_name``, same host and network
     namespace only); the streams are Unix sockets, not probed (default 4). ``limits`` default to
@@ -73,6 +75,7 @@ async def connect(host: str, port: int, *, streams: int | None = None, secret: b
     secure = settings.secure if secure is None else secure
     chunk_size = settings.chunk_size if chunk_size is None else chunk_size
     chunk_size_from(chunk_size)  # a bad size fails before probing
+    congestion = settings.congestion if congestion is None else congestion
     count = streams
     if count is None and isinstance(settings.streams, int):
         count = settings.streams
@@ -97,8 +100,8 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
                 settings: Settings | None = None) -> Server:
     """Listen on host:port; call ``on_link(link)`` (plain or async) for each authenticated peer.
 
-    ``secret`` defaults to WANLINK_SECRET, ``chunk_size`` to WANLINK_CHUNK_SIZE, ``chunk_order`` to
-    WANLINK_CHUNK_ORDER and ``limits`` to the
+    ``secret`` defaults to WANLINK_SECRET, ``chunk_size`` to WANLINK_CHUNK_SIZE, ``congestion`` to
+    WANLINK_CONGESTION, ``chunk_order`` to WANLINK_CHUNK_ORDER and ``limits`` to the
     protocol's with WANLINK_STAGING_BYTES (``settings`` replaces the environment). ``unix=True``
     also listens on an abstract Unix socket (``server.unix_name``) for processes of the same host
     and network namespace: the same
@@ -113,8 +116,9 @@ async def serve(host: str, port: int, *, on_link, secret: bytes | str | None = N
                               timeout=timeout, limits=limits_from(settings) if limits is None else limits,
                               backlog=backlog,
                               chunk_size=settings.chunk_size if chunk_size is None else chunk_size,
-                              congestion=congestion, sock_buffer=sock_buffer, compress=compress,
-                              checksum=checksum, unix=unix, auth_timeout=auth_timeout,
+                              congestion=settings.congestion if congestion is None else congestion,
+                              sock_buffer=sock_buffer, compress=compress, checksum=checksum, unix=unix,
+                              auth_timeout=auth_timeout,
                               secure=settings.secure if secure is None else secure,
                               chunk_order=settings.chunk_order if chunk_order is None else chunk_order)
 

@@ -19,6 +19,8 @@ from wanlink.sched.chunking import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from wanlink.sched.edf import CHUNK_ORDERS
 from wanlink.sched.sites import check_site_name
 
+MAX_CONGESTION_NAME = 15  # TCP_CA_NAME_MAX (16) less the terminating zero
+
 StreamCount = int | Literal["auto"] | None
 """An explicit count, ``"auto"`` (probe even towards loopback) or None (probe remote paths, 4 locally)."""
 
@@ -80,6 +82,15 @@ def _staging_bytes(name: str, raw: str) -> int:
     return _integer(name, raw, MiB)
 
 
+def _congestion(name: str, raw: str) -> str | None:
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if not value.isascii() or not value.replace("_", "").isalnum() or len(value) > MAX_CONGESTION_NAME:
+        raise ConfigError(f"{name} must name a TCP congestion control (e.g. bbr, cubic), got {raw!r}")
+    return value
+
+
 def _site(name: str, raw: str) -> str | None:
     return check_site_name(raw, name) if raw.strip() else None
 
@@ -110,6 +121,11 @@ VARIABLES: tuple[Variable, ...] = (
              "TCP streams per link (1-64), or `auto` to probe even towards loopback"),
     Variable("WANLINK_CHUNK_SIZE", "chunk_size", _chunk_size, "unset: the probe's choice, 4 MiB on local links",
              "bytes per chunk (262144-4194304)"),
+    Variable("WANLINK_CONGESTION", "congestion", _congestion,
+             "unset: bbr towards remote peers where the kernel has it, the system default on loopback",
+             "TCP congestion control of every TCP stream (a name from "
+             "/proc/sys/net/ipv4/tcp_available_congestion_control, e.g. `cubic`); a name the kernel "
+             "lacks fails when the first link opens"),
     Variable("WANLINK_CHUNK_ORDER", "chunk_order", _chunk_order, "edf",
              "order in which a link sends queued chunks: `edf` (earliest deadline: iteration, then layer) "
              "or `fcfs` (arrival order)"),
@@ -152,6 +168,7 @@ class Settings:
     streams: StreamCount = None
     chunk_size: int | None = None
     chunk_order: str = "edf"
+    congestion: str | None = None
     unix: bool = True
     addr: str | None = None
     bind: str | None = None

@@ -4,7 +4,7 @@ import pytest
 from wanlink.errors import ConfigError
 from wanlink.sched.sites import SiteMap
 from wanlink.sched.stripes import (
-    FIRST_SHRINK, TAIL_SHRINK, Dealer, InOrder, Route, piece_header, read_piece_header, routes, striped,
+    FIRST_SHRINK, REPORT_WINDOW, TAIL_SHRINK, Dealer, InOrder, Route, piece_header, read_piece_header, routes, striped,
 )
 
 MiB = 1 << 20
@@ -101,3 +101,17 @@ def test_numbered_reports_are_handed_on_in_order_whatever_order_they_come_in():
     assert order.add(3, "done b") == [] and order.add(2, "done a") == ["done a", "done b"]
     with pytest.raises(ConfigError, match="numbered item 2 came twice"):
         order.add(2, "again")
+
+
+def test_a_report_far_ahead_of_the_next_due_is_refused_naming_the_transfer():
+    order = InOrder("rank 1's striped transfer 7 (its reports)", window=4)
+    assert order.add(3, "done") == []  # 3 ahead of 0: may have overtaken 0, 1 and 2
+    with pytest.raises(ConfigError, match=r"rank 1's striped transfer 7 .*item 4 came while 0 is the next due"):
+        order.add(4, "far ahead")
+    assert order.add(0, "moved") == ["moved"] and order.add(1, "a") == ["a"] and order.add(2, "b") == ["b", "done"]
+    assert order.add(7, "now within reach") == []  # the window moves with the next due (4)
+    with pytest.raises(ConfigError, match="item 1000000000 came while 4"):
+        order.add(10**9, "forged")
+    assert InOrder().window == REPORT_WINDOW  # default: every route's end may overtake one delayed report
+    with pytest.raises(ConfigError, match="at least 1"):
+        InOrder(window=0)

@@ -275,7 +275,14 @@ class StripedP2P:
             if not scheduler.active(key):  # a cancelled transfer's late report
                 return
             actions = []
-            for report, values in self._reports.setdefault(key, InOrder()).add(number, (kind, rest)):
+            order = self._reports.setdefault(key, InOrder(f"rank {peer}'s striped transfer {serial} (its reports)"))
+            try:
+                due = order.add(number, (kind, rest))
+            except ConfigError:  # a report far ahead or twice: the transfer's books cannot close; give its turn up
+                self._reports.pop(key, None)
+                self._carry_out(scheduler.cancel(key))
+                raise
+            for report, values in due:
                 if not scheduler.active(key):
                     break
                 if report == "moved":

@@ -29,6 +29,9 @@ from wanlink.sched.sites import SiteMap
 
 MAX_ROUTES = 255
 """Most shares one striped transfer is split into (cells larger than this are not striped)."""
+REPORT_WINDOW = MAX_ROUTES + 1
+"""Most reports on one striped transfer that :class:`InOrder` holds ahead of a missing one: more than
+a burst of every route's end, all overtaking the one report delayed on its stream."""
 _HEADER = struct.Struct("<qq")
 HEADER_BYTES = _HEADER.size
 """Bytes of the header that goes ahead of every piece on a route: its offset and length."""
@@ -169,20 +172,31 @@ class InOrder:
     The source's reports on a striped transfer to its cell's leader (pieces moved, last piece dealt,
     a route's end) travel as control messages, which keep their order on each of a link's streams but
     not across them; applied as they come, a route's end could overtake the move it counts.
+
+    Items may come at most ``window`` - 1 ahead of the next one due: the source sends its reports over
+    the cell's local network as it deals pieces, so only those sent while one of them is delayed on its
+    stream can come ahead of it. An item ``window`` or more ahead of the next one due would make its transfer
+    wait for the missing ones until the transfer's timeout: it is refused at once, with
+    ``what`` (e.g. "rank 1's striped transfer 3") in the error.
     """
 
-    def __init__(self):
+    def __init__(self, what: str = "numbered items", window: int = REPORT_WINDOW):
+        if window < 1:
+            raise ConfigError(f"{what}: the reordering window must be at least 1, got {window}")
+        self.what, self.window = what, window
         self._next = 0
         self._early: dict[int, object] = {}
 
     def add(self, number: int, item) -> list:
         """Item ``number`` came: the items now due, in order (none while an earlier one is missing)."""
         if number < self._next or number in self._early:
-            raise ConfigError(f"numbered item {number} came twice")
+            raise ConfigError(f"{self.what}: numbered item {number} came twice")
+        if number >= self._next + self.window:
+            raise ConfigError(f"{self.what}: numbered item {number} came while {self._next} is the next due; "
+                              f"at most {self.window - 1} may come ahead of it")
         self._early[number] = item
         due = []
         while self._next in self._early:
             due.append(self._early.pop(self._next))
             self._next += 1
         return due
-
