@@ -944,3 +944,111 @@ async def test_a_held_grant_and_the_next_chunk_leave_in_one_sendmsg(monkeypatch)
         assert await asyncio.wait_for(received, 10) == 5 and out == b"hello"
     finally:
         await pair.close()
+
+
+async def test_a_written_sends_ack_leaves_with_the_receivers_next_frame_on_that_stream(monkeypatch):
+    """A send until="written" of at most 1 MiB waits for nothing on its ack (FLAG_ACK_LATER): the
+    receiver holds the ack back and sends it with its next frame, here its own message's data, one
+    sendmsg for both; a send that waits for its ack (the default) is acknowledged at once."""
+    monkeypatch.setattr("wanlink.io.link.ACK_DELAY_S", 60.0)  # held acks leave only with other frames
+    p = await open_pair(1)
+    try:
+        client, accepted = p.client, p.accepted
+        stream = accepted._streams[0]
+        stream.sock = counting = CountingSocket(stream.sock)
+        out = bytearray(1000)
+        await asyncio.wait_for(asyncio.gather(client.send(b"x" * 1000, tag=1, until="written"),
+                                              accepted.recv_into(out, tag=1)), 10)
+        await asyncio.sleep(0.05)
+        assert len(stream.owed) == 1 and client.sending.acked_bytes == 0  # held back
+        before = counting.sendmsg_calls
+        back = bytearray(5)
+        await asyncio.wait_for(asyncio.gather(accepted.send(b"reply", tag=2, until="written"),
+                                              client.recv_into(back, tag=2)), 10)
+        await _until(lambda: client.sending.acked_bytes == 1000)
+        assert counting.sendmsg_calls == before + 1 and not stream.owed and back == b"reply"
+        assert not client._outgoing  # the message is finished on the sending side too
+
+        async def receive_acked():
+            await accepted.recv_into(out, tag=3)
+            return list(stream.owed)  # (checked as the receive resumes: the ack would be held by now)
+        sent = asyncio.ensure_future(client.send(b"y" * 1000, tag=3))  # waits for its ack
+        assert await asyncio.wait_for(receive_acked(), 10) == []
+        await asyncio.wait_for(sent, 10)
+        big = bytes(MiB + 1)  # more than the copy a written send keeps: it waits for acks
+        await asyncio.wait_for(asyncio.gather(client.send(big, tag=4, until="written"),
+                                              accepted.recv_into(bytearray(len(big)), tag=4)), 10)
+        await _until(lambda: not client._outgoing)
+        assert not stream.owed
+    finally:
+        await p.close()
+
+
+async def test_held_acks_leave_on_their_own_within_the_ack_delay(pair):
+    """Nothing else to send: the held ack leaves when the link's timer finds it ACK_DELAY_S old."""
+    out = bytearray(100)
+    await asyncio.wait_for(asyncio.gather(pair.client.send(b"z" * 100, tag=1, until="written"),
+                                          pair.accepted.recv_into(out, tag=1)), 10)
+    await asyncio.wait_for(_until(lambda: pair.client.sending.acked_bytes == 100), 10)
+    assert not pair.client._outgoing and not any(s.owed for s in pair.accepted._streams)
+
+
+async def _send_unexpected(sender, receiver, data: bytes, tag: int) -> bytes:
+    """``sender`` sends ``data`` until written, ``receiver`` posts its receive once it arrived: no
+    GRANT goes back (a grant would carry the acks held back with it)."""
+    await asyncio.wait_for(sender.send(data, tag=tag, until="written"), 10)
+    await _until(lambda: receiver.message_started(tag))
+    out = bytearray(len(data))
+    await asyncio.wait_for(receiver.recv_into(out, tag=tag), 10)
+    return bytes(out)
+
+
+async def test_a_stream_holds_back_at_most_max_owed_acks(monkeypatch):
+    from wanlink.io import stream as stream_module
+    monkeypatch.setattr("wanlink.io.link.ACK_DELAY_S", 60.0)
+    monkeypatch.setattr(stream_module, "MAX_OWED_ACKS", 3)
+    p = await open_pair(1)
+    try:
+        for i in range(7):
+            assert await _send_unexpected(p.client, p.accepted, bytes([i]) * 10, 1) == bytes([i]) * 10
+        await _until(lambda: p.client.sending.acked_bytes == 60)  # paid at the 3rd and the 6th
+        assert len(p.accepted._streams[0].owed) == 1 and len(p.client._outgoing) == 1
+    finally:
+        await p.close()
+
+
+async def test_acks_held_back_leave_before_the_close(monkeypatch):
+    monkeypatch.setattr("wanlink.io.link.ACK_DELAY_S", 60.0)
+    p = await open_pair(1)
+    try:
+        await asyncio.wait_for(asyncio.gather(p.client.send(b"c" * 50, tag=1, until="written"),
+                                              p.accepted.recv_into(bytearray(50), tag=1)), 10)
+        await asyncio.sleep(0.05)
+        assert p.accepted._streams[0].owed and p.client.sending.acked_bytes == 0
+        await p.accepted.close()
+        await _until(lambda: p.client.sending.acked_bytes == 50)
+    finally:
+        await p.close()
+
+
+async def test_a_stream_that_dies_holding_acks_back_loses_nothing(monkeypatch):
+    """The acks a stream holds back die with it, and so do the chunks they acknowledge on the
+    sender's side of that stream: those are re-sent on the other stream, and acknowledged there."""
+    monkeypatch.setattr("wanlink.io.link.ACK_DELAY_S", 60.0)
+    p = await open_pair(2)
+    try:
+        client, accepted = p.client, p.accepted
+        for i in range(6):
+            data = pattern(1000 + i, seed=i)
+            assert await _send_unexpected(client, accepted, data, 1) == data
+        await asyncio.sleep(0.05)
+        assert len(client._outgoing) == 6 and all(s.owed for s in accepted._streams)
+        client.stream_failed(client._streams[0], ConnectionResetError("cut by the test"))
+        await _until(lambda: accepted.stats()["duplicate_chunks"] >= 1)  # re-sent on stream 1
+        back = bytearray(5)
+        await asyncio.wait_for(asyncio.gather(accepted.send(b"reply", tag=2, until="written"),
+                                              client.recv_into(back, tag=2)), 10)
+        await _until(lambda: not client._outgoing)  # every message acknowledged in the end
+        assert client.stats()["requeued_chunks"] >= 1 and client.error is None and accepted.error is None
+    finally:
+        await p.close()
