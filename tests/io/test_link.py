@@ -968,6 +968,7 @@ async def test_a_written_sends_ack_leaves_with_the_receivers_next_frame_on_that_
         await _until(lambda: client.sending.acked_bytes == 1000)
         assert counting.sendmsg_calls == before + 1 and not stream.owed and back == b"reply"
         assert not client._outgoing  # the message is finished on the sending side too
+        assert client.delivery.total_bytes == 0  # a held-back ack is no sample of the path's rate
 
         async def receive_acked():
             await accepted.recv_into(out, tag=3)
@@ -975,6 +976,7 @@ async def test_a_written_sends_ack_leaves_with_the_receivers_next_frame_on_that_
         sent = asyncio.ensure_future(client.send(b"y" * 1000, tag=3))  # waits for its ack
         assert await asyncio.wait_for(receive_acked(), 10) == []
         await asyncio.wait_for(sent, 10)
+        assert client.delivery.total_bytes == 1000
         big = bytes(MiB + 1)  # more than the copy a written send keeps: it waits for acks
         await asyncio.wait_for(asyncio.gather(client.send(big, tag=4, until="written"),
                                               accepted.recv_into(bytearray(len(big)), tag=4)), 10)

@@ -478,7 +478,8 @@ class Link:
         if transfer.ack(header.offset, header.raw_len):
             stream.in_flight.pop((header.tag, header.seq, header.offset), None)
             now = self.loop.time()
-            self.delivery.on_delivery(header.raw_len, now)
+            if not transfer.ack_later:  # (an ack the peer held back says nothing about the path's rate)
+                self.delivery.on_delivery(header.raw_len, now)
             self.sending.on_ack(header.raw_len)
             if transfer.complete:
                 del self._outgoing[key]
