@@ -27,7 +27,7 @@ cdef extern from "sys/uio.h" nogil:
         size_t iov_len
     ssize_t readv(int fd, const iovec* iov, int iovcnt)
 
-WIRE_ABI = 2
+WIRE_ABI = 1
 """Bumped whenever this module's interface to wanlink.proto.decoder changes (a stale build is not used)."""
 
 cdef enum:
@@ -43,6 +43,7 @@ cdef enum:
     T_ABORT = 9
     F_LZ4 = 1
     F_CHECKSUM = 2
+    KNOWN_FLAGS = 7
 
 # what the reference module defines, held in C variables (looked up once, here)
 cdef object _Header, _parse_header, _decompress_into, _RemoteProtocolError
@@ -54,7 +55,6 @@ cdef object _ChunkReceived, _AckReceived, _FlowReceived, _ControlReceived, _Abor
 cdef object _tuple_new = tuple.__new__
 cdef object _crc32 = zlib.crc32
 cdef list _TYPES = [None] + [_frames.FrameType(t) for t in range(1, 10)]
-cdef uint8_t KNOWN_FLAGS = _frames.KNOWN_FLAGS  # (any other flag bit fails the header)
 cdef Py_ssize_t READ_AHEAD = _frames.READ_AHEAD_BYTES
 cdef Py_ssize_t BULK_READ_AHEAD = _frames.BULK_READ_AHEAD_BYTES
 assert HEADER_SIZE == _frames.HEADER_SIZE and len(_frames.FrameType) == 9

@@ -112,7 +112,7 @@ def small_stream():
     """Every frame type, a zero-length message, lz4 and checksum, a control and an abort."""
     payload = bytes(range(256)) * 2
     return (data_frame(1, 0, 1024, 0, payload) + PING_FRAME + ack_header(2, 3, 10, 0, 10) + grant_frame(5, 1)
-            + data_frame(1, 0, 1024, 512, payload, flags=Flags.CHECKSUM | Flags.EAGER | Flags.ACK_LATER,
+            + data_frame(1, 0, 1024, 512, payload, flags=Flags.CHECKSUM | Flags.EAGER,
                          checksum=zlib.crc32(payload))
             + credit_frame(1 << 20) + announce_frame(7, 2, 4096) + control_header(3) + b"\x93\x01\x02"
             + data_header(3, 0, 0, 0, 0) + _lz4_frame(9, 1, b"wanlink " * 40)
@@ -178,7 +178,7 @@ def _fields(**changes):
 
 MALFORMED = [
     _fields(type=0), _fields(type=10), _fields(type=255), _fields(reserved=1), _fields(reserved=256),
-    _fields(flags=0x80), _fields(flags=16), _fields(total=(1 << 20) + 1), _fields(total=(1 << 64) - 1),
+    _fields(flags=0x80), _fields(flags=8), _fields(total=(1 << 20) + 1), _fields(total=(1 << 64) - 1),
     _fields(wire_len=(1 << 17) + 1, raw_len=(1 << 17) + 1, total=1 << 20),
     _fields(flags=Flags.LZ4, wire_len=(1 << 17) + 1, total=1 << 20), _fields(offset=95), _fields(offset=1 << 63),
     _fields(offset=(1 << 64) - 5, total=100), _fields(wire_len=9), _fields(checksum=5),

@@ -8,7 +8,7 @@ from wanlink.errors import (
     AuthenticationError, ConfigError, LimitExceeded, LocalProtocolError, ProtocolError, RemoteProtocolError,
 )
 from wanlink.proto.handshake import (
-    CHALLENGE, HELLO, MAGIC, VERSION, ClientHandshake, ServerHandshake, Status, normalize_secret,
+    CHALLENGE, HELLO, MAGIC, ClientHandshake, ServerHandshake, Status, normalize_secret,
 )
 from wanlink.proto.limits import Limits
 
@@ -100,15 +100,14 @@ def test_proof_binds_stream_index():
 
 
 def _hello(**changes):
-    fields = dict(magic=MAGIC, version=VERSION, flags=0, link_id=LINK_ID, index=0, count=2, nonce=os.urandom(32),
-                  meta_len=0)
+    fields = dict(magic=MAGIC, version=1, flags=0, link_id=LINK_ID, index=0, count=2, nonce=os.urandom(32), meta_len=0)
     fields.update(changes)
     return HELLO.pack(*fields.values())
 
 
 @pytest.mark.parametrize("raw, error, match", [
     (_hello(magic=b"HTTP"), RemoteProtocolError, "magic"),
-    (_hello(version=VERSION + 1), RemoteProtocolError, "version"),
+    (_hello(version=2), RemoteProtocolError, "version"),
     (_hello(flags=2), RemoteProtocolError, "flags"),
     (_hello(count=65), LimitExceeded, "max_streams"),
     (_hello(index=2, count=2), RemoteProtocolError, "out of range"),

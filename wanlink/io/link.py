@@ -12,7 +12,7 @@ from wanlink.io.sockets import (
     close_quietly, congestion_of, is_local_socket, log, tcp_bytes_acked, tcp_info, tcp_rtt_s, tcp_send_progress,
     tcp_send_room,
 )
-from wanlink.io.stream import ACK_DELAY_S, Stream
+from wanlink.io.stream import Stream
 from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
 from wanlink.proto.flow import MIN_EAGER_WINDOW, SendFlow, credit_batch, eager_window
 from wanlink.proto.frames import (
@@ -64,11 +64,6 @@ def byte_view(buffer, *, writable: bool = False) -> memoryview:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
-
-
-def _frames_waiting(stream: Stream) -> int:
-    """Frames ``stream`` has queued, less one where it holds acks back (``Link._queue_frame``)."""
-    return len(stream.control) - (1 if stream.owed else 0)
 
 
 def _check_tag(tag, *, allow_discard: bool = False) -> None:
@@ -151,7 +146,6 @@ class Link:
         self.kernel_acks = KernelAcks()  # when the peer's kernel acknowledged each message (WAN TCP streams)
         self.timing_acks = False  # kernel acks tracked: from the first read of ``wire`` or ``probe_wire`` on
         self._ack_poll: asyncio.TimerHandle | None = None
-        self._owed_timer: asyncio.TimerHandle | None = None  # sends the acks streams held back too long
 
     def record_send_order(self, maxlen: int = 100_000) -> collections.deque:
         """Start logging the order in which chunks leave (for tests and tracing); returns the log."""
@@ -265,10 +259,6 @@ class Link:
         self._next_send_seq[tag] = seq + 1
         transfer = OutgoingTransfer(tag, seq, view, self.chunk_size, deadline)
         transfer.settle_written = until == "written"
-        # it settles once written, so its acks may come late (on local streams: Stream._chunk_parts),
-        # unless they time the path (Link.wire)
-        transfer.ack_later = (transfer.settle_written and total <= COPY_TO_SETTLE_BYTES and not self.timing_acks
-                              and tag != PROBE_DISCARD_TAG)
         done = self.loop.create_future()
         self._outgoing[(tag, seq)] = (transfer, done)
         transfer.started = time.monotonic()  # not loop.time(): uvloop's ticks are whole milliseconds
@@ -397,27 +387,6 @@ class Link:
                 if stream.control:
                     stream.kick()
 
-    def acks_owed(self) -> None:
-        """A stream started holding acks back (``Stream.owed``): make sure they leave within ACK_DELAY_S."""
-        if self._owed_timer is None:
-            self._owed_timer = self.loop.call_later(ACK_DELAY_S, self._pay_owed_acks)
-
-    def _pay_owed_acks(self) -> None:
-        """Streams send the acks they held back for ACK_DELAY_S (the loop's clock counts whole
-        milliseconds); the timer waits on for younger ones."""
-        self._owed_timer = None
-        now, oldest = self.loop.time(), None
-        for stream in self._streams:
-            if stream.owed and stream.alive:
-                if now - stream.owed_since >= ACK_DELAY_S - 0.001:
-                    stream.pay_owed()
-                    if not self._holding:
-                        stream.kick()
-                elif oldest is None or stream.owed_since < oldest:
-                    oldest = stream.owed_since
-        if oldest is not None:
-            self._owed_timer = self.loop.call_later(oldest + ACK_DELAY_S - now, self._pay_owed_acks)
-
     def _release_held_frames(self) -> None:
         self._frames_due = False
         self.release_frames()
@@ -478,8 +447,7 @@ class Link:
         if transfer.ack(header.offset, header.raw_len):
             stream.in_flight.pop((header.tag, header.seq, header.offset), None)
             now = self.loop.time()
-            if not transfer.ack_later:  # (an ack the peer held back says nothing about the path's rate)
-                self.delivery.on_delivery(header.raw_len, now)
+            self.delivery.on_delivery(header.raw_len, now)
             self.sending.on_ack(header.raw_len)
             if transfer.complete:
                 del self._outgoing[key]
@@ -702,9 +670,8 @@ class Link:
         self._kick_writers()
 
     def _queue_frame(self, frame: bytes) -> None:
-        """Queue a control or flow frame on a live stream that holds acks back (they leave with it), else
-        on the one with the fewest waiting (none left: drop it), and write it now unless frames are held
-        (``hold_frames``)."""
+        """Queue a control or flow frame on the live stream with the fewest waiting (none left: drop it),
+        and write it now unless frames are held (``hold_frames``)."""
         streams = self._streams
         if len(streams) == 1:
             stream = streams[0]
@@ -714,7 +681,7 @@ class Link:
             alive = [s for s in streams if s.alive]
             if not alive:
                 return
-            stream = min(alive, key=_frames_waiting)
+            stream = min(alive, key=lambda s: len(s.control))
         stream.control.append(frame)
         if not self._holding:
             stream.kick()
@@ -792,10 +759,6 @@ class Link:
 
     def _rotated(self, streams: list, count: int):
         self._wake_start = (self._wake_start + 1) % count
-        for index, stream in enumerate(streams):  # one with frames waiting goes first: they leave with its chunks
-            if (stream.owed or stream.control) and stream.alive:
-                self._wake_start = index
-                break
         for i in range(count):
             stream = streams[(self._wake_start + i) % count]
             if stream.alive:
@@ -810,9 +773,6 @@ class Link:
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
-        if self._owed_timer is not None:
-            self._owed_timer.cancel()
-            self._owed_timer = None
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
             self._watchdog.cancel()
             self._watchdog = None  # its CancelledError's traceback holds this link

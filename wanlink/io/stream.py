@@ -10,8 +10,8 @@ import zlib
 from wanlink.errors import PeerLost
 from wanlink.io.sockets import close_quietly, is_local_socket, log
 from wanlink.proto.frames import (
-    CLOSE_FRAME, FLAG_ACK_LATER, FLAG_CHECKSUM, FLAG_EAGER, FLAG_LZ4, AbortReceived, AckReceived, ChunkReceived,
-    CloseReceived, ControlReceived, FlowReceived, PingReceived, ack_header, compress_chunk, data_header,
+    CLOSE_FRAME, FLAG_CHECKSUM, FLAG_EAGER, FLAG_LZ4, AbortReceived, AckReceived, ChunkReceived, CloseReceived,
+    ControlReceived, FlowReceived, PingReceived, ack_header, compress_chunk, data_header,
 )
 from wanlink.proto import decoder as decoding
 from wanlink.proto.seal import FrameOpener, FrameSealer
@@ -20,14 +20,6 @@ from wanlink.sched.chunking import Chunk
 MAX_FRAMES_PER_SEND = 256  # bounded by IOV_MAX (1024) with room to spare
 READ_BUDGET_BYTES = 16 * 1024 * 1024
 """Most bytes one readable callback takes before letting other callbacks run (fairness between streams)."""
-ACK_DELAY_S = 0.005
-"""Longest a stream holds the ack of a chunk flagged ACK_LATER, waiting for a frame of its own to
-send it with (the next message's data, a grant): an ack-only write costs a sendmsg here and a
-readable event, often a wake-up, at the peer, for each small message of a collective."""
-MAX_OWED_ACKS = 64
-MAX_OWED_BYTES = 4 * 1024 * 1024
-"""A stream owing acks for this many chunks, or for chunks of this many bytes, sends them at once:
-the peer keeps a copy of every chunk it sent until its ack (``Link.send(until="written")``)."""
 
 
 def receive_into(decoder, fd: int, budget: int) -> tuple[int, list, bool]:
@@ -82,9 +74,6 @@ class Stream:
         self.closing = False
         self.in_flight: dict[tuple[int, int, int], Chunk] = {}
         self.control: list[bytes] = []
-        self.owed: list[bytes] = []  # ACK frames held back (ACK_LATER): they leave with the next frame written
-        self.owed_bytes = 0  # chunk bytes those acks acknowledge
-        self.owed_since = 0.0  # loop time of the oldest of them
         self.wake = asyncio.Event()
         self.decoder = decoding.new(link.place, link.limits)  # (the link breaks these cycles: detach())
         self._sealer = None
@@ -210,11 +199,7 @@ class Stream:
             self.chunks_received += 1
             header = event.header
             link.chunk_received(header)
-            ack = ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len)
-            if header.flags & FLAG_ACK_LATER:
-                self._owe(ack, header.raw_len)
-            else:
-                self.control.append(ack)
+            self.control.append(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
         elif type(event) is AckReceived:
             link.ack_received(self, event.header)
         elif type(event) is FlowReceived:
@@ -227,25 +212,6 @@ class Stream:
             link.peer_closed = True
         elif type(event) is not PingReceived:
             raise AssertionError(f"unhandled frame event {event!r}")
-
-    def _owe(self, ack: bytes, nbytes: int) -> None:
-        """Hold ``ack`` for the next frame this stream writes (``_write_ready``), or until the link's
-        timer sends it (``Link.acks_owed``: within ACK_DELAY_S); at most MAX_OWED_ACKS / MAX_OWED_BYTES."""
-        owed = self.owed
-        owed.append(ack)
-        self.owed_bytes += nbytes
-        if len(owed) >= MAX_OWED_ACKS or self.owed_bytes >= MAX_OWED_BYTES:
-            self.pay_owed()
-        elif len(owed) == 1:
-            self.owed_since = self.loop.time()
-            self.link.acks_owed()
-
-    def pay_owed(self) -> None:
-        """Send the acks this stream holds back with its next write (its queued frames), now or
-        when the link releases the frames it holds."""
-        self.control += self.owed
-        self.owed = []
-        self.owed_bytes = 0
 
     def _stop_reading(self) -> None:
         if self._reading:
@@ -273,20 +239,16 @@ class Stream:
         False when it stopped on a frame the kernel took part of (``_unsent`` holds the rest).
         (A closing stream sends its control frames, an ABORT among them, after the link let go of it.)"""
         while True:
-            frames: list = []
+            parts: list = []
             if self.control:
                 frames, self.control = self.control[:MAX_FRAMES_PER_SEND], self.control[MAX_FRAMES_PER_SEND:]
+                parts = frames if self._sealer is None else [self._sealer.seal_frame(frame) for frame in frames]
             chunk = None
             if chunks and not self.closing and not self.control:
                 link = self.link
                 chunk = None if link.peer_closed else link.queue.pop()  # a closing peer reads no more data
-            if self.owed and (frames or chunk is not None):  # the acks held back leave with this write
-                frames[:0] = self.owed
-                self.owed = []
-                self.owed_bytes = 0
-            parts = frames if self._sealer is None else [self._sealer.seal_frame(frame) for frame in frames]
-            if chunk is not None and not chunk.acked:
-                parts += self._chunk_parts(chunk)
+                if chunk is not None and not chunk.acked:
+                    parts += self._chunk_parts(chunk)
             if parts and not self._write(parts, None if chunk is None or chunk.acked else chunk):
                 return False
             if chunk is not None:
@@ -303,8 +265,6 @@ class Stream:
             link.send_log.append((transfer.tag, transfer.seq, chunk.offset))
         payload = chunk.view
         flags = FLAG_EAGER if chunk.eager else 0
-        if transfer.ack_later and self.is_local:  # (WAN streams: acks time the path, see Link.wire)
-            flags |= FLAG_ACK_LATER
         checksum = 0
         raw_len = len(payload)
         if link.checksum:

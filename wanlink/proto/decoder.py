@@ -19,7 +19,7 @@ from wanlink.settings import from_env
 __all__ = ["IMPLEMENTATIONS", "WIRE_ABI", "available", "load", "new", "use"]
 
 IMPLEMENTATIONS = ("compiled", "reference")
-WIRE_ABI = 2
+WIRE_ABI = 1
 """What ``wanlink._wire.WIRE_ABI`` must say for the compiled decoder to be used."""
 _REFERENCE_FORCED = from_env().pure_python  # read once, at import, like wanlink.kernels
 

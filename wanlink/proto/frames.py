@@ -8,12 +8,10 @@ Every frame is a fixed 44-byte little-endian header, optionally followed by a pa
 ``(tag, seq)`` names one message (the seq-th message the sender sent on that tag), ``total`` is
 its size, and a DATA frame carries bytes ``[offset, offset + raw_len)`` of it, ``wire_len`` bytes
 on the wire (fewer when lz4-compressed). ACK frames echo a received chunk's coordinates with no
-payload; a chunk flagged ACK_LATER (its sender waits for nothing on it) may be acknowledged with
-the next frame the receiver writes on that stream, within ``wanlink.io.stream.ACK_DELAY_S``.
-CONTROL frames carry one msgpack message. Flow control (``wanlink.proto.flow``) adds header-only
-frames: GRANT (tag, seq) from the receiver once that receive is posted, CREDIT (``total`` = eager
-bytes returned) and ANNOUNCE (tag, seq, total) from a sender that has a message but no credit to
-start it. ABORT carries a msgpack ``[code, text]``: why the sender is failing the
+payload. CONTROL frames carry one msgpack message. Flow control (``wanlink.proto.flow``) adds
+header-only frames: GRANT (tag, seq) from the receiver once that receive is posted, CREDIT
+(``total`` = eager bytes returned) and ANNOUNCE (tag, seq, total) from a sender that has a message
+but no credit to start it. ABORT carries a msgpack ``[code, text]``: why the sender is failing the
 link. Everything is validated against Limits before a payload byte is accepted.
 """
 from __future__ import annotations
@@ -48,12 +46,10 @@ class Flags(enum.IntFlag):
     LZ4 = 1  # payload is an lz4 block of raw_len bytes
     CHECKSUM = 2  # checksum holds crc32 of the raw payload
     EAGER = 4  # sent on the link's eager credit, before the receiver granted the message
-    ACK_LATER = 8  # the sender waits for nothing on this chunk's ack: the receiver may send it later (see Stream)
 
 
 FLAG_LZ4, FLAG_CHECKSUM, FLAG_EAGER = int(Flags.LZ4), int(Flags.CHECKSUM), int(Flags.EAGER)  # plain ints, per chunk
-FLAG_ACK_LATER = int(Flags.ACK_LATER)
-KNOWN_FLAGS = FLAG_LZ4 | FLAG_CHECKSUM | FLAG_EAGER | FLAG_ACK_LATER
+KNOWN_FLAGS = FLAG_LZ4 | FLAG_CHECKSUM | FLAG_EAGER
 _NO_PAYLOAD = frozenset({FrameType.ACK, FrameType.PING, FrameType.CLOSE, FrameType.GRANT, FrameType.CREDIT,
                          FrameType.ANNOUNCE})
 

@@ -28,7 +28,7 @@ from wanlink.proto.control import pack_message, unpack_message
 from wanlink.proto.limits import DEFAULT_LIMITS, Limits
 
 MAGIC = b"WLK1"
-VERSION = 2
+VERSION = 1
 HELLO = struct.Struct("<4sHH16sHH32sH")
 CHALLENGE = struct.Struct("<4sHB32s32s")
 PROOF_SIZE = 32

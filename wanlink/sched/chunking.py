@@ -86,7 +86,6 @@ class OutgoingTransfer:
         self.unwritten = len(self.chunks)  # chunks waiting for flow control, queued or being written
         self.settle_written = False  # the sender is released once every chunk is written (Link.send)
         self.settled = False  # ... and was: its unacknowledged chunks have their own copy (keep_unacked)
-        self.ack_later = False  # nothing waits for its acks: the peer may send them late (FLAG_ACK_LATER)
         self.started = 0.0  # when Link.send took it (time.monotonic), for the link's wire time
         self._copy: bytearray | None = None  # the pool buffer keep_unacked copied into
 
