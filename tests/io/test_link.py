@@ -516,6 +516,8 @@ async def test_a_stream_whose_window_cannot_send_a_message_at_once_waits_for_the
     # one stream's congestion window collapsed (losses): its turn goes to a stream that can send now
     from wanlink.io import link as link_module
 
+    for stream in pair.client._streams:
+        stream.is_local = False  # taken for WAN streams (local ones have no window worth asking about)
     slow = pair.client._streams[0].sock
     monkeypatch.setattr(link_module, "tcp_send_room", lambda sock: 1000 if sock is slow else 1 << 20)
     for tag in range(40):
@@ -944,3 +946,12 @@ async def test_a_held_grant_and_the_next_chunk_leave_in_one_sendmsg(monkeypatch)
         assert await asyncio.wait_for(received, 10) == 5 and out == b"hello"
     finally:
         await pair.close()
+
+
+async def test_local_streams_do_not_ask_the_kernel_for_their_window_per_chunk(pair, monkeypatch):
+    from wanlink.io import link as link_module
+
+    asked = []
+    monkeypatch.setattr(link_module, "tcp_send_room", lambda sock: asked.append(sock) or 0)
+    await asyncio.gather(pair.client.send(b"x" * 8000, tag=1), pair.accepted.recv_into(bytearray(8000), tag=1))
+    assert asked == [] and pair.client.streams == 4

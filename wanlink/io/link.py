@@ -734,8 +734,9 @@ class Link:
 
     def _window_short(self, stream: Stream) -> bool:
         """Whether ``stream``'s congestion window lets less than the next chunk (at most
-        SEND_ROOM_FLOOR) leave now; False for a lone stream and where the kernel cannot say."""
-        if len(self._streams) == 1:
+        SEND_ROOM_FLOOR) leave now; False for a lone stream, a local one (Unix or loopback: no window
+        worth asking about, and no TCP_INFO to read per chunk) and where the kernel cannot say."""
+        if len(self._streams) == 1 or stream.is_local:
             return False
         room = tcp_send_room(stream.sock)
         if room is None:
