@@ -1,8 +1,7 @@
 """When a stream counts as stalled (sans-I/O)."""
 from pytest import approx
 
-from wanlink.sched.hedging import (HEDGE_FLOOR_S, HEDGE_ROUNDS, HEDGE_RTTS, TINY_WINDOW, StallWatch, stall_after,
-                                    throttled)
+from wanlink.sched.hedging import HEDGE_FLOOR_S, HEDGE_ROUNDS, HEDGE_RTTS, TINY_WINDOW, StallWatch, stall_after, throttled
 
 
 def test_stall_time_is_a_multiple_of_the_round_trip_with_a_floor():
