@@ -23,7 +23,7 @@ from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
 from wanlink.probe.rate import DeliveryRateEstimator, KernelAcks, SendingTime, WireTime
 from wanlink.sched.chunking import CopyPool, OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
-from wanlink.sched.hedging import StallWatch, stall_after, throttled
+from wanlink.sched.hedging import StallWatch, behind, stall_after
 
 DEFAULT_TIMEOUT = 30.0
 LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
@@ -114,7 +114,7 @@ class Link:
         self.error: BaseException | None = None
         self.requeued_chunks = 0
         self.duplicate_acks = 0
-        self.hedged_chunks = 0  # copies sent on another stream while their first stream stalled (_check_stalls)
+        self.hedged_chunks = 0  # copies sent on an idle stream while their first stream stalled (_check_stalls)
         self._stalls = StallWatch()
         self._stall_check: asyncio.TimerHandle | None = None
         self.reconnects = 0  # streams re-opened (by us) or re-attached (by the peer) under this link id
@@ -434,7 +434,7 @@ class Link:
         """``stream`` put all of ``chunk`` into its kernel buffer (or found it acknowledged already)."""
         transfer = chunk.transfer
         transfer.written(chunk)
-        if self._stall_check is None and not transfer.unwritten and len(self._streams) > 1:
+        if self._stall_check is None and not self.queue and len(self._streams) > 1:
             self._stalls.clear()  # (samples from before are too old to judge by)
             self._stall_check = self.loop.call_later(stall_after(self._rtt_s) / 4, self._check_stalls)
         if self.timing_acks and not stream.is_local:
@@ -486,18 +486,16 @@ class Link:
             stream.in_flight.pop((header.tag, header.seq, header.offset), None)
 
     def _check_stalls(self, now: float | None = None) -> None:
-        """Re-send the chunks of a stalled or throttled stream on the link's other streams, ahead of
-        the link's queue, at a message's tail only.
+        """Re-send the chunks of a stalled stream on idle streams, at a message's tail only.
 
         Stalled: its peer's kernel acknowledged nothing new for ``stall_after`` the link's round trip
-        while it holds bytes not acknowledged (a retransmission timeout). Throttled: at a tiny window
-        with many round trips of bytes in its kernel (BBR's ProbeRTT; ``wanlink.sched.hedging``).
-        Only chunks of messages all written (a tail: the message waits for them alone) are copied,
-        each once, onto the other streams that are neither (in turn), which write them before
-        anything queued: the next message's chunks may already be queued behind a tail. The stalled
-        stream goes on; whichever copy arrives first counts, the other is dropped, and its ack counted
-        in ``duplicate_acks``. Runs every quarter of the stall time while messages await acks (the
-        first time after a message's last chunk was written)."""
+        while it holds bytes not acknowledged (a retransmission timeout, ``wanlink.sched.hedging``).
+        Idle: alive, no chunk unacknowledged or being written, and not stalled itself. Only when
+        nothing is queued: each idle stream then takes copies in turn (before anything queued later),
+        each chunk is copied once, and the stalled stream goes on (whichever copy arrives first
+        counts; the other is dropped, and its ack counted in ``duplicate_acks``). Runs every quarter
+        of the stall time while messages await acks (the first time after a chunk was written with
+        nothing queued behind it)."""
         if self._stall_check is not None:  # (called before its time: by a test)
             self._stall_check.cancel()
         self._stall_check = None
@@ -505,27 +503,29 @@ class Link:
             return
         now = self.loop.time() if now is None else now
         after = stall_after(self._rtt_s)
-        stalled, helpers = [], []
+        stalled, idle = [], []
         for stream in self._streams:
             info = tcp_info(stream.sock) if stream.alive else None
             if info is None or info.bytes_acked is None or info.notsent_bytes is None:
                 continue
+            unacked = [chunk for chunk in stream.in_flight.values() if not chunk.acked]
             outstanding = info.unacked * info.snd_mss + info.notsent_bytes
             if (self._stalls.stalled_for(stream.index, info.bytes_acked, outstanding, now) >= after
-                    or throttled(outstanding, info.snd_cwnd, info.snd_mss)):
-                stalled.extend(chunk for chunk in stream.in_flight.values() if not chunk.acked)
-            elif not stream.closing:
-                helpers.append(stream)
-        copies = [chunk for chunk in stalled if not chunk.hedged and not chunk.transfer.unwritten]
-        if copies and helpers:
+                    or behind(outstanding, info.cwnd_bytes)):
+                if unacked:
+                    stalled.append(unacked)
+            elif not unacked and not stream.hedges and not stream.sending and not stream.closing:
+                idle.append(stream)
+        copies = [chunk for unacked in stalled for chunk in unacked if not chunk.hedged]
+        if copies and idle and not self.queue:
             for i, chunk in enumerate(copies):
                 chunk.hedged = True
                 chunk.transfer.requeued(chunk)  # (its copy buffer stays while this copy is written)
-                helpers[i % len(helpers)].hedges.append(chunk)
+                idle[i % len(idle)].hedges.append(chunk)
             self.hedged_chunks += len(copies)
-            log.debug("link %s: %d chunks of stalled streams re-sent on %d other streams",
-                      self.name, len(copies), len(helpers))
-            for stream in helpers:
+            log.debug("link %s: %d chunks of stalled streams re-sent on %d idle streams",
+                      self.name, len(copies), len(idle))
+            for stream in idle:
                 stream.kick(chunks=True)
         self._stall_check = self.loop.call_later(after / 4, self._check_stalls)
 

@@ -113,6 +113,11 @@ class Stream:
         self.control.append(frame)
         self.wake.set()
 
+    @property
+    def sending(self) -> bool:
+        """Whether a frame the kernel took part of is still being written."""
+        return self._unsent is not None
+
     def kick(self, chunks: bool = False) -> None:
         """Write queued control frames now (with ``chunks``, then queued chunks too: the link's
         end-of-iteration call, so that sends queued together leave in deadline order) while the kernel
