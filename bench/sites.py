@@ -92,14 +92,11 @@ class EgressSampler:
 
 def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
     """Send ``nbytes`` along every (source, destination) pair at once; seconds from a common barrier
-    to each receive's completion, the wall-clock window, as every rank reports them, and the chunks
-    the ranks' links re-sent for a stalled stream meanwhile (``hedged_chunks``, docs/transport.md)."""
+    to each receive's completion, and the wall-clock window, as every rank reports them."""
     import torch
     import torch.distributed as dist
-    import wanlink
 
     tensor = torch.full((nbytes // 4,), float(rank))
-    hedged = sum(link["hedged_chunks"] for link in wanlink.stats().values())
     dist.barrier()
     started, wall = time.perf_counter(), time.time()
     if TRACING:
@@ -114,11 +111,9 @@ def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
             if not bool((tensor == src).all()):
                 raise RuntimeError(f"rank {dst} received wrong bytes from rank {src}")
     everyone: list = [None] * dist.get_world_size()
-    hedged = sum(link["hedged_chunks"] for link in wanlink.stats().values()) - hedged
-    dist.all_gather_object(everyone, {"done": done, "wall": (wall, time.time()), "hedged": hedged})
+    dist.all_gather_object(everyone, {"done": done, "wall": (wall, time.time())})
     return {"done": {k: v for part in everyone for k, v in part["done"].items()},
-            "wall": (min(p["wall"][0] for p in everyone), max(p["wall"][1] for p in everyone)),
-            "hedged_chunks": sum(p["hedged"] for p in everyone)}
+            "wall": (min(p["wall"][0] for p in everyone), max(p["wall"][1] for p in everyone))}
 
 
 def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
@@ -138,8 +133,7 @@ def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
             result = time_sends(rank, pairs, mib * MiB)
             times = list(result["done"].values())
             rows.append({"mode": mode, "op": op, "size_mib": mib, "seconds": max(times),
-                         "mean_s": statistics.mean(times), "per_pair": result["done"],
-                         "hedged_chunks": result["hedged_chunks"]})
+                         "mean_s": statistics.mean(times), "per_pair": result["done"]})
             windows.append({"op": op, "mode": mode, "wall": result["wall"]})
     samples: list = [None] * dist.get_world_size()
     dist.all_gather_object(samples, sampler.stop())
@@ -548,8 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, [("rate_mbit", "Mbit/s/host", "g"), ("op", "op", "s"), ("size_mib", "MiB", "d"),
                        ("mode", "mode", "s"), ("seconds", "seconds (max)", ".2f"), ("mean_s", "mean s", ".2f"),
                        ("algbw_mbit", "algbw Mbit/s", ".0f"),
-                       ("speedup", "x baseline (flat ring / direct)", ".2f"), ("mean_speedup", "x mean", ".2f"),
-                       ("hedged_chunks", "chunks re-sent", "d")])
+                       ("speedup", "x baseline (flat ring / direct)", ".2f"), ("mean_speedup", "x mean", ".2f")])
     print(f"CPU seconds per mode (emulators, ranks) and its wall seconds: {cpu}")
     print(f"load before {run.load_before}, after {run.header()['load_after']}")
     traces = [(t["rate_mbit"], t["windows"][0]["mode"], t.pop("trace")) for t in timelines if "trace" in t]

@@ -23,7 +23,6 @@ from wanlink.proto.reassembly import PROBE_DISCARD_TAG, Incoming, Reassembler
 from wanlink.probe.rate import DeliveryRateEstimator, KernelAcks, SendingTime, WireTime
 from wanlink.sched.chunking import CopyPool, OutgoingTransfer, chunk_size_from
 from wanlink.sched.edf import EDFQueue
-from wanlink.sched.hedging import StallWatch, behind, stall_after
 
 DEFAULT_TIMEOUT = 30.0
 LOOPBACK_CHUNK_SIZE = 4 * 1024 * 1024
@@ -114,9 +113,6 @@ class Link:
         self.error: BaseException | None = None
         self.requeued_chunks = 0
         self.duplicate_acks = 0
-        self.hedged_chunks = 0  # copies sent on an idle stream while their first stream stalled (_check_stalls)
-        self._stalls = StallWatch()
-        self._stall_check: asyncio.TimerHandle | None = None
         self.reconnects = 0  # streams re-opened (by us) or re-attached (by the peer) under this link id
         self._dialer = dialer
         self._reopening: dict[int, asyncio.Task] = {}
@@ -419,24 +415,10 @@ class Link:
         else:
             waiter.set_result(entry.total)
 
-    def drop_other_copy(self, header: Header) -> None:
-        """A chunk arrived in full (a stream calls this before ``chunk_received`` when the link has
-        several): another stream still receiving a copy of it (the peer re-sent it there,
-        ``_check_stalls``) writes the rest into a buffer of its own, not into the receive's buffer,
-        which its caller may be using again by then."""
-        key = (header.tag, header.seq, header.offset)
-        for stream in self._streams:
-            decoder = stream.decoder
-            if stream.alive and decoder is not None and decoder.landing() == key:
-                decoder.redirect(memoryview(bytearray(header.raw_len)))
-
     def chunk_written(self, chunk, stream: Stream) -> None:
         """``stream`` put all of ``chunk`` into its kernel buffer (or found it acknowledged already)."""
         transfer = chunk.transfer
         transfer.written(chunk)
-        if self._stall_check is None and not self.queue and len(self._streams) > 1:
-            self._stalls.clear()  # (samples from before are too old to judge by)
-            self._stall_check = self.loop.call_later(stall_after(self._rtt_s) / 4, self._check_stalls)
         if self.timing_acks and not stream.is_local:
             self._note_kernel_position(transfer, stream)
         if transfer.settle_written and not transfer.unwritten:
@@ -458,8 +440,7 @@ class Link:
         pending = self._outgoing.get(key)
         if pending is None:
             if header.seq < self._next_send_seq.get(header.tag, 0):
-                self.duplicate_acks += 1  # (of a copy: _check_stalls)
-                stream.in_flight.pop((header.tag, header.seq, header.offset), None)
+                self.duplicate_acks += 1
                 return
             raise RemoteProtocolError(f"ack for tag={header.tag} seq={header.seq}, a message never sent")
         transfer, done = pending
@@ -483,51 +464,6 @@ class Link:
                 self._settle_written(transfer)
         else:
             self.duplicate_acks += 1
-            stream.in_flight.pop((header.tag, header.seq, header.offset), None)
-
-    def _check_stalls(self, now: float | None = None) -> None:
-        """Re-send the chunks of a stalled stream on idle streams, at a message's tail only.
-
-        Stalled: its peer's kernel acknowledged nothing new for ``stall_after`` the link's round trip
-        while it holds bytes not acknowledged (a retransmission timeout, ``wanlink.sched.hedging``).
-        Idle: alive, no chunk unacknowledged or being written, and not stalled itself. Only when
-        nothing is queued: each idle stream then takes copies in turn (before anything queued later),
-        each chunk is copied once, and the stalled stream goes on (whichever copy arrives first
-        counts; the other is dropped, and its ack counted in ``duplicate_acks``). Runs every quarter
-        of the stall time while messages await acks (the first time after a chunk was written with
-        nothing queued behind it)."""
-        if self._stall_check is not None:  # (called before its time: by a test)
-            self._stall_check.cancel()
-        self._stall_check = None
-        if self.error is not None or self._closing or not self._outgoing:
-            return
-        now = self.loop.time() if now is None else now
-        after = stall_after(self._rtt_s)
-        stalled, idle = [], []
-        for stream in self._streams:
-            info = tcp_info(stream.sock) if stream.alive else None
-            if info is None or info.bytes_acked is None or info.notsent_bytes is None:
-                continue
-            unacked = [chunk for chunk in stream.in_flight.values() if not chunk.acked]
-            outstanding = info.unacked * info.snd_mss + info.notsent_bytes
-            if (self._stalls.stalled_for(stream.index, info.bytes_acked, outstanding, now) >= after
-                    or behind(outstanding, info.cwnd_bytes)):
-                if unacked:
-                    stalled.append(unacked)
-            elif not unacked and not stream.hedges and not stream.sending and not stream.closing:
-                idle.append(stream)
-        copies = [chunk for unacked in stalled for chunk in unacked if not chunk.hedged]
-        if copies and idle and not self.queue:
-            for i, chunk in enumerate(copies):
-                chunk.hedged = True
-                chunk.transfer.requeued(chunk)  # (its copy buffer stays while this copy is written)
-                idle[i % len(idle)].hedges.append(chunk)
-            self.hedged_chunks += len(copies)
-            log.debug("link %s: %d chunks of stalled streams re-sent on %d idle streams",
-                      self.name, len(copies), len(idle))
-            for stream in idle:
-                stream.kick(chunks=True)
-        self._stall_check = self.loop.call_later(after / 4, self._check_stalls)
 
     def _note_kernel_position(self, transfer: OutgoingTransfer, stream: Stream) -> None:
         """Where ``transfer``'s bytes end in ``stream``'s kernel byte count; once all of it is written,
@@ -618,7 +554,6 @@ class Link:
             return
         old = self._streams[index]
         self._streams[index] = Stream(self, sock, index, keys)
-        self._stalls.forget(index)
         if self.timing_acks:
             self._streams[index].ack_quickly()
         if old.alive:  # dead to the peer, which re-opened it
@@ -835,9 +770,6 @@ class Link:
                 task.cancel()
 
     def _stop_watchdog(self) -> None:
-        if self._stall_check is not None:
-            self._stall_check.cancel()
-            self._stall_check = None
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
@@ -943,7 +875,6 @@ class Link:
             "reconnects": self.reconnects,
             "duplicate_chunks": self.reassembler.duplicate_chunks,
             "duplicate_acks": self.duplicate_acks,
-            "hedged_chunks": self.hedged_chunks,
             "unexpected_bytes_held": self.reassembler.unexpected_bytes,
             "peak_unexpected_bytes": self.reassembler.peak_unexpected_bytes,
             "eager_window": self.eager_window(),

@@ -74,7 +74,6 @@ class Stream:
         self.closing = False
         self.in_flight: dict[tuple[int, int, int], Chunk] = {}
         self.control: list[bytes] = []
-        self.hedges: list[Chunk] = []  # copies of a stalled stream's chunks, written before the link's queue
         self.wake = asyncio.Event()
         self.decoder = decoding.new(link.place, link.limits)  # (the link breaks these cycles: detach())
         self._sealer = None
@@ -112,11 +111,6 @@ class Stream:
         """Queue ``frame`` for the writer task (rare frames: pings, CLOSE; the hot path uses ``kick``)."""
         self.control.append(frame)
         self.wake.set()
-
-    @property
-    def sending(self) -> bool:
-        """Whether a frame the kernel took part of is still being written."""
-        return self._unsent is not None
 
     def kick(self, chunks: bool = False) -> None:
         """Write queued control frames now (with ``chunks``, then queued chunks too: the link's
@@ -204,8 +198,6 @@ class Stream:
                 return
             self.chunks_received += 1
             header = event.header
-            if link.streams > 1:
-                link.drop_other_copy(header)
             link.chunk_received(header)
             self.control.append(ack_header(header.tag, header.seq, header.total, header.offset, header.raw_len))
         elif type(event) is AckReceived:
@@ -254,10 +246,7 @@ class Stream:
             chunk = None
             if chunks and not self.closing and not self.control:
                 link = self.link
-                if link.peer_closed:  # a closing peer reads no more data
-                    chunk = None
-                else:
-                    chunk = self.hedges.pop(0) if self.hedges else link.queue.pop()
+                chunk = None if link.peer_closed else link.queue.pop()  # a closing peer reads no more data
                 if chunk is not None and not chunk.acked:
                     parts += self._chunk_parts(chunk)
             if parts and not self._write(parts, None if chunk is None or chunk.acked else chunk):
@@ -345,9 +334,8 @@ class Stream:
 
     def take_unacked(self) -> list[Chunk]:
         """The chunks this stream sent whose acks never came (to re-queue on other streams)."""
-        chunks = [c for c in [*self.in_flight.values(), *self.hedges] if not c.acked]
+        chunks = [c for c in self.in_flight.values() if not c.acked]
         self.in_flight.clear()
-        self.hedges.clear()
         return chunks
 
     def abort(self) -> None:

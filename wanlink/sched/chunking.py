@@ -33,7 +33,6 @@ class Chunk:
     order: tuple | None = None  # EDF position, fixed when first queued
     eager: bool = False  # sent on the link's eager credit (flow control), before the peer granted it
     written: bool = False  # all of it is in a stream's kernel buffer (not re-queued since)
-    hedged: bool = False  # a copy was sent on another stream while its first stream stalled (Link)
 
     @property
     def tag(self) -> int:
