@@ -135,3 +135,30 @@ def test_schedstat_reads_this_process_threads():
         sum(range(10000))
     spent = predict._delta(before, predict.thread_schedstat())
     assert spent["main"][0] > 0 and spent["all"][0] >= spent["main"][0]
+
+
+def test_bdp_streams_are_the_fewest_windows_covering_rate_times_rtt():
+    window = predict.WINDOW_BYTES  # 1536 KiB: 12.58 Mbit
+    assert window == 1536 * 1024
+    assert predict.bdp_streams(40, 500) == 2  # 20 Mbit of BDP: two windows carry 629 Mbit/s at 40 ms
+    assert predict.bdp_streams(80, 100) == 1  # 8 Mbit: one window
+    assert predict.bdp_streams(80, 2000) == 13  # 160 Mbit
+    assert predict.bdp_streams(0.01, 1) == 1  # at least one
+    rtt_ms = window * 8 / 1e6 * 1000 / 500  # one window exactly covers 500 Mbit/s at this RTT
+    assert predict.bdp_streams(rtt_ms, 500) == 1
+    assert predict.bdp_streams(rtt_ms * 1.01, 500) == 2
+
+
+def test_every_configuration_uses_the_bdp_rule_unless_it_names_its_streams():
+    named = {"2r 80ms 2000M dense 1 stream": 1, "2r 80ms 2000M dense 8 streams": 8}
+    for config in predict.CONFIGS:
+        expected = named.get(config["name"], predict.bdp_streams(config["rtt_ms"], config["rate_mbit"]))
+        assert config["streams"] == expected, config["name"]
+
+
+def test_the_model_is_given_the_run_s_stream_count(monkeypatch):
+    monkeypatch.setattr(predict, "site_cores", lambda row: None)
+    monkeypatch.setattr(predict, "lan_rate", lambda: "10 Gbit/s")
+    config = next(c for c in predict.CONFIGS if c["name"] == "2r 40ms 500M dense")
+    cluster = predict._cluster(config, 500, 0.6)
+    assert cluster.streams == config["streams"] == 2
