@@ -21,15 +21,17 @@ class Choice:
     ``what`` names it in messages ("kernels", "frame decoder"); ``module`` is the compiled module's
     import name, which must have ``abi_attribute == abi``; ``take`` picks what callers use from a module
     (the module itself, or one of its classes); ``reference`` is what the reference provides.
-    ``missing_advice``, when given, makes a missing or stale build warn with that advice; ``None`` keeps
-    it silent (for an extension whose absence another one already reports).
+    ``advice``, when given, makes a stale build warn with that advice, and a missing one too unless
+    ``warn_if_missing`` is false (a platform where no build is expected); ``None`` keeps both silent
+    (for an extension whose state another one already reports).
     """
 
     def __init__(self, what: str, module: str, abi_attribute: str, abi: int, reference: Any, *,
-                 take: Callable[[Any], Any] = lambda module: module, missing_advice: str | None = None):
+                 take: Callable[[Any], Any] = lambda module: module, advice: str | None = None,
+                 warn_if_missing: bool = True):
         self.what, self.module, self.reference, self.take = what, module, reference, take
         self.forced = from_env().pure_python
-        self._missing_advice = missing_advice
+        self._advice, self._warn_if_missing = advice, warn_if_missing
         self._compiled = None if self.forced else self._import(abi_attribute, abi)
         self.name = self.available()[0]
         self.active = self.load(self.name)
@@ -38,7 +40,9 @@ class Choice:
         try:
             module = importlib.import_module(self.module)
         except ImportError as exc:
-            self._warn(f"wanlink's compiled {self.what} ({self.module}) are missing ({exc}); using the reference. ")
+            if self._warn_if_missing:
+                self._warn(f"wanlink's compiled {self.what} ({self.module}) are missing ({exc}); "
+                           "using the reference. ")
             return None
         if getattr(module, abi_attribute, None) != abi:
             self._warn(f"{self.module} is stale ({abi_attribute} is {getattr(module, abi_attribute, None)!r}, "
@@ -47,8 +51,8 @@ class Choice:
         return self.take(module)
 
     def _warn(self, what_happened: str) -> None:
-        if self._missing_advice is not None:
-            warnings.warn(what_happened + self._missing_advice, RuntimeWarning, stacklevel=5)
+        if self._advice is not None:
+            warnings.warn(what_happened + self._advice, RuntimeWarning, stacklevel=5)
 
     def available(self) -> list[str]:
         """Implementations usable in this process, best first (only "reference" when forced)."""

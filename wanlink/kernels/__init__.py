@@ -30,10 +30,10 @@ def _should_have_compiled() -> bool:
 
 _choice_made = _choice.Choice(
     "kernels", "wanlink._kernels", "KERNEL_ABI", reference.KERNEL_ABI, reference,
-    missing_advice=("The NumPy reference is 10-100x slower. Reinstall with a C compiler and Cython available "
-                    "(`pip install -v` prints a line starting 'wanlink: compiled kernels' saying why they were "
-                    f"skipped), or set {_choice.FORCE_REFERENCE_VARIABLE}=1 to choose the reference and silence this "
-                    "warning.") if _should_have_compiled() else None)
+    advice=("The NumPy reference is 10-100x slower. Reinstall with a C compiler and Cython available "
+            "(`pip install -v` prints a line starting 'wanlink: compiled kernels' saying why they were "
+            f"skipped), or set {_choice.FORCE_REFERENCE_VARIABLE}=1 to choose the reference and silence this "
+            "warning."), warn_if_missing=_should_have_compiled())
 available = _choice_made.available
 load = _choice_made.load
 use = _choice_made.use
