@@ -57,6 +57,8 @@ MiB = 1 << 20
 HOSTS = ("a0", "a1", "b0", "b1")
 MODES = {"site-aware": lambda host: host[0], "flat ring": lambda host: "one-site"}
 P2P_MODES = {"striped": {}, "direct": {"WANLINK_STRIPE_MIN_BYTES": "0"}}  # both site-aware
+TURNS, FAIR = "turns (alternating)", "fair sharing (alternating)"  # part p2p, case "alternating"
+BASELINES = {"striped": "direct", "direct": "direct", TURNS: FAIR, FAIR: FAIR}  # any other mode: the flat ring
 SAMPLE_S = 0.05
 WARM_UP_MIB = 32  # part p2p: each pipeline's untimed first send (striped: above the 16 MiB threshold)
 SMOOTH = 5  # samples the timeline's rates are averaged over
@@ -90,7 +92,7 @@ class EgressSampler:
         return self.samples
 
 
-def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
+def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int, label: str = "") -> dict:
     """Send ``nbytes`` along every (source, destination) pair at once; seconds from a common barrier
     to each receive's completion, and the wall-clock window, as every rank reports them."""
     import torch
@@ -100,7 +102,7 @@ def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
     dist.barrier()
     started, wall = time.perf_counter(), time.time()
     if TRACING:
-        _record("timed from here", [f"{src}->{dst}" for src, dst in pairs])
+        _record("timed from here", [f"{src}->{dst}" for src, dst in pairs], label)
     works = [(dist.isend(tensor, dst) if rank == src else dist.irecv(tensor, src), src, dst)
              for src, dst in pairs if rank in (src, dst)]
     done = {}
@@ -116,25 +118,81 @@ def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
             "wall": (min(p["wall"][0] for p in everyone), max(p["wall"][1] for p in everyone))}
 
 
+def pipeline_row(mode: str, op: str, mib: int, result: dict) -> dict:
+    """A timed case's row: the last receive's seconds, the mean over its receives, each receive's."""
+    times = list(result["done"].values())
+    return {"mode": mode, "op": op, "size_mib": mib, "seconds": max(times), "mean_s": statistics.mean(times),
+            "per_pair": result["done"]}
+
+
+def alternation_order(iteration: int) -> tuple[str, str]:
+    """Case "alternating": the two modes of one iteration, turns first in even iterations and fair
+    sharing first in odd ones, so a periodic event of the path (BBR's ProbeRTT every 10 s, on every
+    stream at once) falls on either mode by its place in the schedule as often as on the other."""
+    return (TURNS, FAIR) if iteration % 2 == 0 else (FAIR, TURNS)
+
+
+def alternation_summary(rows: list[dict]) -> dict:
+    """Case "alternating" at one rate: each mode's mean over all iterations of the mean and of the last
+    pipeline's completion, their ratios (fair sharing over turns), and every iteration's ratios."""
+    per_mode = {mode: {r["iteration"]: r for r in rows if r["mode"] == mode} for mode in (TURNS, FAIR)}
+    iterations = sorted(set(per_mode[TURNS]) & set(per_mode[FAIR]))
+    if not iterations:
+        return {}
+    means = {mode: {key: statistics.mean(per_mode[mode][i][field] for i in iterations)
+                    for key, field in (("mean_s", "mean_s"), ("last_s", "seconds"))} for mode in (TURNS, FAIR)}
+    return {"iterations": len(iterations), "turns": means[TURNS], "fair sharing": means[FAIR],
+            "mean_ratio": means[FAIR]["mean_s"] / means[TURNS]["mean_s"],
+            "last_ratio": means[FAIR]["last_s"] / means[TURNS]["last_s"],
+            "worst_last_ratio": max(r["seconds"] for r in per_mode[FAIR].values())
+            / max(r["seconds"] for r in per_mode[TURNS].values()),
+            "per_iteration": [{"iteration": i, "turns_first": per_mode[TURNS][i]["position"] == 0,
+                               "mean_ratio": per_mode[FAIR][i]["mean_s"] / per_mode[TURNS][i]["mean_s"],
+                               "last_ratio": per_mode[FAIR][i]["seconds"] / per_mode[TURNS][i]["seconds"]}
+                              for i in iterations]}
+
+
+def alternation_text(summary: dict) -> str:
+    """alternation_summary on one line; each iteration as T (turns first) or F, then its mean/last ratios."""
+    return (f"{summary['iterations']} iterations, mean {summary['mean_ratio']:.2f}x, last {summary['last_ratio']:.2f}x "
+            f"(slowest last {summary['worst_last_ratio']:.2f}x); per iteration " + ", ".join(
+                f"{'TF'[not it['turns_first']]} {it['mean_ratio']:.2f}/{it['last_ratio']:.2f}"
+                for it in summary["per_iteration"]))
+
+
 def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
     """Parts (b) and (c), with every rank's egress samples for the timeline."""
     import torch.distributed as dist
 
+    from wanlink.c10d import mesh as mesh_module
+
     sampler = EgressSampler()
     dist.barrier()
     time_sends(rank, [(0, 2)], MiB)  # warm-up: links
-    if "pipelines" in args.p2p_cases:  # warm-up: striped, both pipelines' turns measure each member in both roles
+    if {"pipelines", "alternating"} & set(args.p2p_cases):
+        # warm-up: striped, both pipelines' turns measure each member in both roles
         time_sends(rank, [(0, 2), (1, 3)], WARM_UP_MIB * MiB)
     rows, windows = [], []
     cases = {"send": ("send", [(0, 2)], args.send_mib),
              "pipelines": ("two pipelines", [(0, 2), (1, 3)], args.pipeline_mib)}
-    for op, pairs, mib in (cases[name] for name in args.p2p_cases):
+    for op, pairs, mib in (cases[name] for name in args.p2p_cases if name in cases):
         for _ in range(args.iters):
             result = time_sends(rank, pairs, mib * MiB)
-            times = list(result["done"].values())
-            rows.append({"mode": mode, "op": op, "size_mib": mib, "seconds": max(times),
-                         "mean_s": statistics.mean(times), "per_pair": result["done"]})
+            rows.append(pipeline_row(mode, op, mib, result))
             windows.append({"op": op, "mode": mode, "wall": result["wall"]})
+    if "alternating" in args.p2p_cases and mode == "striped":
+        service = mesh_module._world_mesh.striping
+        striping_on = service.min_bytes
+        for iteration in range(args.alternations):
+            for position, alternate in enumerate(alternation_order(iteration)):
+                # every rank switches between the same two barriers: both ends decide alone whether a send is striped
+                service.min_bytes = striping_on if alternate == TURNS else 1 << 62
+                result = time_sends(rank, [(0, 2), (1, 3)], args.pipeline_mib * MiB, label=alternate)
+                rows.append({**pipeline_row(alternate, "two pipelines", args.pipeline_mib, result),
+                             "iteration": iteration, "position": position})
+                windows.append({"op": f"{'TF'[alternate == FAIR]}{iteration}", "mode": alternate,
+                                "wall": result["wall"]})
+        service.min_bytes = striping_on
     samples: list = [None] * dist.get_world_size()
     dist.all_gather_object(samples, sampler.stop())
     timeline = {"windows": windows, "egress": samples}
@@ -240,7 +298,8 @@ def run_mode(sites, mode: str, args, gloo: bool, parts: list[str], extra_env: di
                   "--ddp-iterations", str(args.ddp_iterations), "--parts", *parts,
                   "--send-mib", str(args.send_mib), "--pipeline-mib", str(args.pipeline_mib),
                   "--sizes-mib", *map(str, args.sizes_mib), *(["--gloo"] if gloo else []),
-                  "--p2p-cases", *args.p2p_cases, *(["--trace"] if args.trace else [])]
+                  "--p2p-cases", *args.p2p_cases, "--alternations", str(args.alternations),
+                  *(["--trace"] if args.trace else [])]
         procs = []
         for rank, name in enumerate(HOSTS):
             env = child_env(WANLINK_SITE=MODES.get(mode, MODES["site-aware"])(name),
@@ -327,6 +386,7 @@ TRACE_MIN_BYTES = 1 << 20  # sends and receives traced: of this size or more
 TRACE_CPU_S = 0.1
 STALL_BYTES = 1 << 20  # a WAN link's sample is traced when it acknowledged less with STALL_SEGMENTS in flight
 STALL_SEGMENTS = 64
+TINY_WINDOW = 4  # a stream's sample is traced when its congestion window is this small (BBR's ProbeRTT, a timeout)
 TRACE_EVENTS: list[tuple] = []  # (wall seconds, event, fields...) of this rank
 TRACING = False  # install_trace ran: time_sends records where each rank's timing starts
 
@@ -450,7 +510,8 @@ def trace_summary(per_rank: list[list[tuple]], hosts: tuple[str, ...]) -> str:
 
 def _tcp_line(event: tuple, previous: dict, host: str, hosts: tuple[str, ...]) -> str | None:
     """A WAN link's sample as a line when, since the link's sample before, its streams retransmitted,
-    or it had STALL_SEGMENTS or more in flight but fewer than STALL_BYTES were acknowledged (None otherwise)."""
+    or it had STALL_SEGMENTS or more in flight but fewer than STALL_BYTES were acknowledged, or when a stream's
+    congestion window is TINY_WINDOW segments or less (None otherwise)."""
     stamp, _kind, peer, streams, queued, held, credit = event
     before = previous.get((host, peer))
     previous[(host, peer)] = (stamp, streams)
@@ -459,7 +520,8 @@ def _tcp_line(event: tuple, previous: dict, host: str, hosts: tuple[str, ...]) -
     acked = sum(s[0] - b[0] for s, b in zip(streams, before[1]))
     retrans = [s[3] - b[3] for s, b in zip(streams, before[1])]
     in_flight = sum(s[1] for s in streams)
-    if not any(retrans) and (in_flight < STALL_SEGMENTS or acked >= STALL_BYTES):
+    tiny = any(s[2] <= TINY_WINDOW for s in streams)
+    if not any(retrans) and not tiny and (in_flight < STALL_SEGMENTS or acked >= STALL_BYTES):
         return None
     return (f"{host} tcp -> {hosts[peer]} acked {acked / 2**20:.2f} MiB in {1e3 * (stamp - before[0]):.0f} ms, "
             f"in flight {in_flight} segs, cwnd {[s[2] for s in streams]}, retrans +{retrans}, "
@@ -493,8 +555,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="TCP streams per link on every rank (WANLINK_STREAMS; default: each link probes its own)")
     parser.add_argument("--congestion", default=None,
                         help="TCP congestion control of every rank's streams (WANLINK_CONGESTION; default: bbr)")
-    parser.add_argument("--p2p-cases", nargs="+", choices=("send", "pipelines"), default=["send", "pipelines"],
-                        help="part p2p: (b) one send, (c) two pipelines")
+    parser.add_argument("--p2p-cases", nargs="+", choices=("send", "pipelines", "alternating"),
+                        default=["send", "pipelines", "alternating"],
+                        help="part p2p: (b) one send, (c) two pipelines per mode, (c) with the modes alternating")
+    parser.add_argument("--alternations", type=int, default=6,
+                        help="part p2p, case alternating: iterations (each times both modes)")
     parser.add_argument("--trace", action="store_true",
                         help="part p2p: record every rank's striping steps and sends (<name>_trace.txt)")
     parser.add_argument("--name", default="sites", help="file name of the JSON and PNG")
@@ -519,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     for rate in args.rates:
         with WanSites(hosts=2, rtt_ms=args.rtt_ms, rate_mbit=rate) as sites:
             runs = [(mode, collective_parts, None) for mode in MODES if collective_parts]
-            runs += [(mode, ["p2p"], env) for mode, env in P2P_MODES.items() if "p2p" in args.parts]
+            runs += [(mode, ["p2p"], env) for mode, env in P2P_MODES.items() if "p2p" in args.parts
+                     and (mode == "striped" or {"send", "pipelines"} & set(args.p2p_cases))]
             for mode, parts, env in runs:
                 emulators, ranks, wall = sites.cpu_seconds(), children_cpu_seconds(), time.monotonic()
                 packets = emulated_packets(sites)
@@ -531,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += [{**row, "rate_mbit": rate} for row in result["rows"]]
                 timelines += [{**part, "rate_mbit": rate} for part in result["timeline"]]
     for row in rows:
-        baseline = "direct" if row["mode"] in P2P_MODES else "flat ring"
+        baseline = BASELINES.get(row["mode"], "flat ring")
         base = [r for r in rows if r["mode"] == baseline and r["size_mib"] == row["size_mib"]
                 and r["op"] == row["op"] and r["rate_mbit"] == row["rate_mbit"]]
         if row["size_mib"]:
@@ -543,13 +609,19 @@ def main(argv: list[str] | None = None) -> int:
                        ("mode", "mode", "s"), ("seconds", "seconds (max)", ".2f"), ("mean_s", "mean s", ".2f"),
                        ("algbw_mbit", "algbw Mbit/s", ".0f"),
                        ("speedup", "x baseline (flat ring / direct)", ".2f"), ("mean_speedup", "x mean", ".2f")])
+    alternating = {f"{rate:g}": alternation_summary([r for r in rows if r["rate_mbit"] == rate and "iteration" in r])
+                   for rate in args.rates}
+    for rate, summary in alternating.items():
+        if summary:
+            print(f"(c) alternating at {rate} Mbit/s: {alternation_text(summary)}")
     print(f"CPU seconds per mode (emulators, ranks) and its wall seconds: {cpu}")
     print(f"load before {run.load_before}, after {run.header()['load_after']}")
     traces = [(t["rate_mbit"], t["windows"][0]["mode"], t.pop("trace")) for t in timelines if "trace" in t]
     print(run.save_json(args.name, {"rtt_ms": args.rtt_ms, "iters": args.iters, "rows": rows, "site_maps": stats,
+                                    "alternating": {rate: summary for rate, summary in alternating.items() if summary},
                                     "emulator_cpu_s": cpu, "timelines": timelines}))
     if rows and any(part != "p2p" for part in args.parts):
-        print(plot([r for r in rows if r["mode"] not in P2P_MODES], run, args.name))
+        print(plot([r for r in rows if r["mode"] not in BASELINES], run, args.name))
     if traces:
         print(run.save_text(f"{args.name}_trace.txt", "".join(
             f"== {rate:g} Mbit/s per host, {mode}\n" + trace_summary(trace, HOSTS) for rate, mode, trace in traces)))
