@@ -510,8 +510,8 @@ def trace_summary(per_rank: list[list[tuple]], hosts: tuple[str, ...]) -> str:
 
 def _tcp_line(event: tuple, previous: dict, host: str, hosts: tuple[str, ...]) -> str | None:
     """A WAN link's sample as a line when, since the link's sample before, its streams retransmitted,
-    or it had STALL_SEGMENTS or more in flight but fewer than STALL_BYTES were acknowledged, or when a stream's
-    congestion window is TINY_WINDOW segments or less (None otherwise)."""
+    or it had STALL_SEGMENTS or more in flight but fewer than STALL_BYTES were acknowledged, or a stream's
+    congestion window fell to TINY_WINDOW segments or less or came back from there (None otherwise)."""
     stamp, _kind, peer, streams, queued, held, credit = event
     before = previous.get((host, peer))
     previous[(host, peer)] = (stamp, streams)
@@ -520,7 +520,7 @@ def _tcp_line(event: tuple, previous: dict, host: str, hosts: tuple[str, ...]) -
     acked = sum(s[0] - b[0] for s, b in zip(streams, before[1]))
     retrans = [s[3] - b[3] for s, b in zip(streams, before[1])]
     in_flight = sum(s[1] for s in streams)
-    tiny = any(s[2] <= TINY_WINDOW for s in streams)
+    tiny = [s[2] <= TINY_WINDOW for s in streams] != [b[2] <= TINY_WINDOW for b in before[1]]
     if not any(retrans) and not tiny and (in_flight < STALL_SEGMENTS or acked >= STALL_BYTES):
         return None
     return (f"{host} tcp -> {hosts[peer]} acked {acked / 2**20:.2f} MiB in {1e3 * (stamp - before[0]):.0f} ms, "
