@@ -126,10 +126,13 @@ def pipeline_row(mode: str, op: str, mib: int, result: dict) -> dict:
 
 
 def alternation_order(iteration: int) -> tuple[str, str]:
-    """Case "alternating": the two modes of one iteration, turns first in even iterations and fair
-    sharing first in odd ones, so a periodic event of the path (BBR's ProbeRTT every 10 s, on every
-    stream at once) falls on either mode by its place in the schedule as often as on the other."""
-    return (TURNS, FAIR) if iteration % 2 == 0 else (FAIR, TURNS)
+    """Case "alternating": the two modes of one iteration. Run n of the case (iteration n // 2) is turns
+    when n has an even number of 1 bits, else fair sharing (the Thue-Morse sequence: T F F T F T T F ...),
+    so that an event of the path that comes every k runs (BBR's ProbeRTT every 10 s, on every stream
+    at once) falls on either mode as often as on the other. Alternating T F, F T (T F F T T F F T) would
+    not do: at 500 Mbit/s two iterations take about the 10 s of ProbeRTT's period, and its dips fell
+    on the same mode's runs all through one call."""
+    return (TURNS, FAIR) if bin(iteration).count("1") % 2 == 0 else (FAIR, TURNS)
 
 
 def alternation_summary(rows: list[dict]) -> dict:
@@ -141,7 +144,11 @@ def alternation_summary(rows: list[dict]) -> dict:
         return {}
     means = {mode: {key: statistics.mean(per_mode[mode][i][field] for i in iterations)
                     for key, field in (("mean_s", "mean_s"), ("last_s", "seconds"))} for mode in (TURNS, FAIR)}
+    traced = all("small_windows" in per_mode[mode][i] for mode in (TURNS, FAIR) for i in iterations)
     return {"iterations": len(iterations), "turns": means[TURNS], "fair sharing": means[FAIR],
+            **({"runs_with_small_windows": {name: sum(bool(per_mode[mode][i]["small_windows"]) for i in iterations)
+                                            for name, mode in (("turns", TURNS), ("fair sharing", FAIR))}}
+               if traced else {}),
             "mean_ratio": means[FAIR]["mean_s"] / means[TURNS]["mean_s"],
             "last_ratio": means[FAIR]["last_s"] / means[TURNS]["last_s"],
             "worst_last_ratio": max(r["seconds"] for r in per_mode[FAIR].values())
@@ -154,10 +161,13 @@ def alternation_summary(rows: list[dict]) -> dict:
 
 def alternation_text(summary: dict) -> str:
     """alternation_summary on one line; each iteration as T (turns first) or F, then its mean/last ratios."""
+    dips = summary.get("runs_with_small_windows")
     return (f"{summary['iterations']} iterations, mean {summary['mean_ratio']:.2f}x, last {summary['last_ratio']:.2f}x "
             f"(slowest last {summary['worst_last_ratio']:.2f}x); per iteration " + ", ".join(
                 f"{'TF'[not it['turns_first']]} {it['mean_ratio']:.2f}/{it['last_ratio']:.2f}"
-                for it in summary["per_iteration"]))
+                for it in summary["per_iteration"])
+            + (f"; runs with a window of <= {TINY_WINDOW} segments on a link carrying data: turns {dips['turns']}, "
+               f"fair sharing {dips['fair sharing']}" if dips else ""))
 
 
 def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
@@ -444,6 +454,26 @@ def _sample_wan_links() -> None:
                              link.flow.credit))
 
 
+def window_dips(per_rank: list[list[tuple]], windows: list[dict]) -> list[list[str]]:
+    """--trace: per timed window, the WAN links ("a0->b0") that carried STALL_BYTES or more in it and had a
+    stream at a congestion window of TINY_WINDOW segments or less in a sample within it (BBR's ProbeRTT)."""
+    dips = []
+    for window in windows:
+        start, end = window["wall"]
+        hit = set()
+        for rank, events in enumerate(per_rank):
+            series: dict[int, list] = {}
+            for event in events:
+                if event[1] == "tcp" and start <= event[0] <= end:
+                    series.setdefault(event[2], []).append(event[3])
+            for peer, samples in series.items():
+                acked = sum(s[0] for s in samples[-1]) - sum(s[0] for s in samples[0])
+                if acked >= STALL_BYTES and any(s[2] <= TINY_WINDOW for streams in samples for s in streams):
+                    hit.add(f"{HOSTS[rank]}->{HOSTS[peer]}")
+        dips.append(sorted(hit))
+    return dips
+
+
 def trace_links() -> None:
     """Every link's stream count, chunk size (the probe chose them when the link opened) and its streams'
     congestion controls."""
@@ -558,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p2p-cases", nargs="+", choices=("send", "pipelines", "alternating"),
                         default=["send", "pipelines", "alternating"],
                         help="part p2p: (b) one send, (c) two pipelines per mode, (c) with the modes alternating")
-    parser.add_argument("--alternations", type=int, default=6,
+    parser.add_argument("--alternations", type=int, default=8,
                         help="part p2p, case alternating: iterations (each times both modes)")
     parser.add_argument("--trace", action="store_true",
                         help="part p2p: record every rank's striping steps and sends (<name>_trace.txt)")
@@ -594,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "ranks": children_cpu_seconds() - ranks, "wall": time.monotonic() - wall,
                                            **{k: v - packets[k] for k, v in emulated_packets(sites).items()}}
                 stats[mode] = result["stats"]
+                for timeline in (t for t in result["timeline"] if "trace" in t):
+                    for row, dips in zip(result["rows"], window_dips(timeline["trace"], timeline["windows"])):
+                        row["small_windows"] = dips
                 rows += [{**row, "rate_mbit": rate} for row in result["rows"]]
                 timelines += [{**part, "rate_mbit": rate} for part in result["timeline"]]
     for row in rows:

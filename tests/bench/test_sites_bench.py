@@ -1,14 +1,23 @@
 """bench/sites.py's bookkeeping of case (c) "alternating" and of its trace (no emulator, no ranks)."""
 import pytest
 
-from bench.sites import FAIR, TURNS, _tcp_line, alternation_order, alternation_summary, alternation_text
+from bench.sites import FAIR, TURNS, _tcp_line, alternation_order, alternation_summary, alternation_text, window_dips
 
 
-def test_the_modes_take_the_first_place_in_turn():
-    orders = [alternation_order(i) for i in range(6)]
-    assert orders[0] == (TURNS, FAIR) and orders[1] == (FAIR, TURNS)
-    assert [order[0] for order in orders].count(TURNS) == 3
-    assert all(sorted(order) == sorted((TURNS, FAIR)) for order in orders)
+def test_every_iteration_times_both_modes_in_the_thue_morse_order():
+    runs = [mode for i in range(8) for mode in alternation_order(i)]
+    assert "".join("TF"[mode == FAIR] for mode in runs) == "TFFTFTTFFTTFTFFT"
+
+
+@pytest.mark.parametrize("every", [1, 2, 4, 8])
+def test_an_event_every_few_runs_falls_on_both_modes_alike(every):
+    """ProbeRTT's 10 s is about 2 runs at 250 Mbit/s and 4 at 500: whatever run it first falls in, over the
+    default 8 iterations it falls on turns as often as on fair sharing. (T F, F T, T F, ... would put an
+    event every 4 runs on one mode only.)"""
+    runs = [mode for i in range(8) for mode in alternation_order(i)]
+    for first in range(every):
+        hit = runs[first::every]
+        assert hit.count(TURNS) == hit.count(FAIR), (every, first)
 
 
 def rows(times: dict[str, list[tuple[float, float]]]) -> list[dict]:
@@ -58,3 +67,21 @@ def test_the_trace_lists_where_a_window_falls_to_four_segments_and_where_it_open
     assert lines[3] is None and lines[4] is None  # still there: listed once
     assert "cwnd [1000, 1000]" in lines[5]  # and ends
     assert lines[6] is None
+
+
+def test_a_window_of_four_segments_is_counted_in_the_run_whose_link_carried_data():
+    moving = [sample(10 + 0.05 * i, 4 * i, 4 if i == 3 else 1000) for i in range(6)]  # a0 -> b0: 20 MiB, one dip
+    idle = [sample(10 + 0.05 * i, 0, 4) for i in range(6)]  # a1 -> b1: at 4 segments, but carrying nothing
+    later = [sample(20.0, 0, 1000), sample(20.05, 4, 4), sample(20.1, 8, 1000)]
+    per_rank = [moving + later, [(t, kind, 3, *rest) for t, kind, _peer, *rest in idle], [], []]
+    windows = [{"wall": (9.9, 10.4)}, {"wall": (10.5, 19.0)}, {"wall": (19.9, 20.2)}]
+    assert window_dips(per_rank, windows) == [["a0->b0"], [], ["a0->b0"]]
+
+
+def test_the_summary_counts_the_runs_of_each_mode_that_met_a_dip():
+    traced = rows({TURNS: [(1.0, 2.0), (1.5, 2.5)], FAIR: [(2.0, 2.0), (2.2, 2.6)]})
+    for row, dips in zip(traced, [[], ["a0->b0"], ["a1->b1"], ["a0->b0", "a1->b1"]]):
+        row["small_windows"] = dips
+    assert alternation_summary(traced)["runs_with_small_windows"] == {"turns": 1, "fair sharing": 2}
+    assert alternation_text(alternation_summary(traced)).endswith("data: turns 1, fair sharing 2")
+    assert "runs_with_small_windows" not in alternation_summary(rows({TURNS: [(1.0, 2.0)], FAIR: [(2.0, 2.0)]}))
