@@ -19,6 +19,18 @@ measured every member in both roles (own share, relayed share), as in a pipeline
 from a common barrier to each receive's completion (the bytes are checked after). Every rank
 samples its WAN egress (bytes sent on links to the other site) every 50 ms for the PNG's timeline.
 
+Case ``alternating`` ((c) again, the figure to quote): the per-launch cases put each mode on its own
+links and at its own time since they opened, so events of the path fall on one mode by the schedule:
+BBR's ProbeRTT (a stream drains to 4 segments for ~250 ms every ~10 s, the first ~10 s after the
+links open) and a link idle since the warm-up restarting from a small window. Here the striped launch
+times both modes on the same links, ``--alternations`` iterations of both (16 runs by default): every
+rank switches striping on (turns) or off (fair sharing: every send direct) between the same two
+barriers, in the Thue-Morse order (alternation_order), so an event every 1, 2, 4 or 8 runs falls on
+both modes alike. Reported: each mode's mean over all iterations of the mean and of the last
+pipeline's completion and their ratios, the ratio of the slowest last pipelines, every iteration's
+ratios, and with ``--trace`` how many runs of each mode met a window of 4 segments or less on a link
+carrying data (the JSON's ``alternating``; docs/sites.md).
+
 Part ``collectives``: all_reduce of ``--sizes-mib`` (per-rank buffer): the slowest rank's mean
 seconds, algbw and the ratio to the flat ring. Part ``ddp``: DDP iterations of the ~25M-parameter
 MLP of bench/e2e_training.py across the 4 ranks, dense and block-sparse (1 %), median seconds per
@@ -28,11 +40,15 @@ iteration after the first two (site-aware and flat ring; no gloo). Needs root (n
 own count when it opens); ``--congestion NAME`` sets ``WANLINK_CONGESTION`` on every rank alike
 (unset: wanlink's default, bbr). ``--trace`` (part p2p) records every rank's striping steps (control messages,
 the cell leader's actions, each send and receive of 1 MiB or more per hop with its start and end, where
-each rank's timing of a case starts), each
-rank's and the machine's CPU every 100 ms and every link's stream count, into <name>_trace.txt.
+each rank's timing of a case starts), each WAN link's streams every 50 ms where they retransmitted, stalled,
+or a window fell to 4 segments or less or opened again, each rank's and the machine's CPU every 100 ms
+and every link's stream count, into <name>_trace.txt. The p2p parts' published figures pin ``--streams 2``:
+the emulator caps each socket's window at 1536 KB, two carry 500 Mbit/s at 40 ms, and the probe, with
+four links probing at once on a loaded box, draws different counts per link and run (docs/sites.md).
 
     sudo python3 -m bench.sites [--parts collectives ddp p2p] [--rates 250 500] [--sizes-mib 64 256] [--iters 2]
-        [--streams N] [--congestion NAME] [--p2p-cases send pipelines] [--trace] [--name sites] [--out DIR | --publish]
+        [--streams N] [--congestion NAME] [--p2p-cases send pipelines alternating] [--alternations 8] [--trace]
+        [--name sites] [--out DIR | --publish]
 
 Writes <name>.{json,png} to --out (bench/results/ with --publish).
 """
