@@ -144,10 +144,10 @@ def pipeline_row(mode: str, op: str, mib: int, result: dict) -> dict:
 def alternation_order(iteration: int) -> tuple[str, str]:
     """Case "alternating": the two modes of one iteration. Run n of the case (iteration n // 2) is turns
     when n has an even number of 1 bits, else fair sharing (the Thue-Morse sequence: T F F T F T T F ...),
-    so that an event of the path that comes every k runs (BBR's ProbeRTT every 10 s, on every stream
-    at once) falls on either mode as often as on the other. Alternating T F, F T (T F F T T F F T) would
-    not do: at 500 Mbit/s two iterations take about the 10 s of ProbeRTT's period, and its dips fell
-    on the same mode's runs all through one call."""
+    so that an event of the path that comes every 1, 2, 4 or 8 runs (BBR's ProbeRTT, about every 10 s
+    on each stream: ~2 runs at 250 Mbit/s, ~4 at 500) falls on either mode as often as on the other.
+    Alternating T F, F T (T F F T T F F T) would not do: its pattern repeats every 4 runs, and at
+    500 Mbit/s ProbeRTT's dips locked onto one of those places for a whole call."""
     return (TURNS, FAIR) if bin(iteration).count("1") % 2 == 0 else (FAIR, TURNS)
 
 
