@@ -19,6 +19,18 @@ measured every member in both roles (own share, relayed share), as in a pipeline
 from a common barrier to each receive's completion (the bytes are checked after). Every rank
 samples its WAN egress (bytes sent on links to the other site) every 50 ms for the PNG's timeline.
 
+Case ``alternating`` ((c) again, the figure to quote): the per-launch cases put each mode on its own
+links and at its own time since they opened, so events of the path fall on one mode by the schedule:
+BBR's ProbeRTT (a stream drains to 4 segments for ~250 ms every ~10 s, the first ~10 s after the
+links open) and a link idle since the warm-up restarting from a small window. Here the striped launch
+times both modes on the same links, ``--alternations`` iterations of both (16 runs by default): every
+rank switches striping on (turns) or off (fair sharing: every send direct) between the same two
+barriers, in the Thue-Morse order (alternation_order), so an event every 1, 2, 4 or 8 runs falls on
+both modes alike. Reported: each mode's mean over all iterations of the mean and of the last
+pipeline's completion and their ratios, the ratio of the slowest last pipelines, every iteration's
+ratios, and with ``--trace`` how many runs of each mode met a window of 4 segments or less on a link
+carrying data (the JSON's ``alternating``; docs/sites.md).
+
 Part ``collectives``: all_reduce of ``--sizes-mib`` (per-rank buffer): the slowest rank's mean
 seconds, algbw and the ratio to the flat ring. Part ``ddp``: DDP iterations of the ~25M-parameter
 MLP of bench/e2e_training.py across the 4 ranks, dense and block-sparse (1 %), median seconds per
@@ -28,11 +40,15 @@ iteration after the first two (site-aware and flat ring; no gloo). Needs root (n
 own count when it opens); ``--congestion NAME`` sets ``WANLINK_CONGESTION`` on every rank alike
 (unset: wanlink's default, bbr). ``--trace`` (part p2p) records every rank's striping steps (control messages,
 the cell leader's actions, each send and receive of 1 MiB or more per hop with its start and end, where
-each rank's timing of a case starts), each
-rank's and the machine's CPU every 100 ms and every link's stream count, into <name>_trace.txt.
+each rank's timing of a case starts), each WAN link's streams every 50 ms where they retransmitted, stalled,
+or a window fell to 4 segments or less or opened again, each rank's and the machine's CPU every 100 ms
+and every link's stream count, into <name>_trace.txt. The p2p parts' published figures pin ``--streams 2``:
+the emulator caps each socket's window at 1536 KB, two carry 500 Mbit/s at 40 ms, and the probe, with
+four links probing at once on a loaded box, draws different counts per link and run (docs/sites.md).
 
     sudo python3 -m bench.sites [--parts collectives ddp p2p] [--rates 250 500] [--sizes-mib 64 256] [--iters 2]
-        [--streams N] [--congestion NAME] [--p2p-cases send pipelines] [--trace] [--name sites] [--out DIR | --publish]
+        [--streams N] [--congestion NAME] [--p2p-cases send pipelines alternating] [--alternations 8] [--trace]
+        [--name sites] [--out DIR | --publish]
 
 Writes <name>.{json,png} to --out (bench/results/ with --publish).
 """
@@ -57,6 +73,8 @@ MiB = 1 << 20
 HOSTS = ("a0", "a1", "b0", "b1")
 MODES = {"site-aware": lambda host: host[0], "flat ring": lambda host: "one-site"}
 P2P_MODES = {"striped": {}, "direct": {"WANLINK_STRIPE_MIN_BYTES": "0"}}  # both site-aware
+TURNS, FAIR = "turns (alternating)", "fair sharing (alternating)"  # part p2p, case "alternating"
+BASELINES = {"striped": "direct", "direct": "direct", TURNS: FAIR, FAIR: FAIR}  # any other mode: the flat ring
 SAMPLE_S = 0.05
 WARM_UP_MIB = 32  # part p2p: each pipeline's untimed first send (striped: above the 16 MiB threshold)
 SMOOTH = 5  # samples the timeline's rates are averaged over
@@ -90,7 +108,7 @@ class EgressSampler:
         return self.samples
 
 
-def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
+def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int, label: str = "") -> dict:
     """Send ``nbytes`` along every (source, destination) pair at once; seconds from a common barrier
     to each receive's completion, and the wall-clock window, as every rank reports them."""
     import torch
@@ -100,7 +118,7 @@ def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
     dist.barrier()
     started, wall = time.perf_counter(), time.time()
     if TRACING:
-        _record("timed from here", [f"{src}->{dst}" for src, dst in pairs])
+        _record("timed from here", [f"{src}->{dst}" for src, dst in pairs], label)
     works = [(dist.isend(tensor, dst) if rank == src else dist.irecv(tensor, src), src, dst)
              for src, dst in pairs if rank in (src, dst)]
     done = {}
@@ -116,25 +134,91 @@ def time_sends(rank: int, pairs: list[tuple[int, int]], nbytes: int) -> dict:
             "wall": (min(p["wall"][0] for p in everyone), max(p["wall"][1] for p in everyone))}
 
 
+def pipeline_row(mode: str, op: str, mib: int, result: dict) -> dict:
+    """A timed case's row: the last receive's seconds, the mean over its receives, each receive's."""
+    times = list(result["done"].values())
+    return {"mode": mode, "op": op, "size_mib": mib, "seconds": max(times), "mean_s": statistics.mean(times),
+            "per_pair": result["done"]}
+
+
+def alternation_order(iteration: int) -> tuple[str, str]:
+    """Case "alternating": the two modes of one iteration. Run n of the case (iteration n // 2) is turns
+    when n has an even number of 1 bits, else fair sharing (the Thue-Morse sequence: T F F T F T T F ...),
+    so that an event of the path that comes every 1, 2, 4 or 8 runs (BBR's ProbeRTT, about every 10 s
+    on each stream: ~2 runs at 250 Mbit/s, ~4 at 500) falls on either mode as often as on the other.
+    Alternating T F, F T (T F F T T F F T) would not do: its pattern repeats every 4 runs, and at
+    500 Mbit/s ProbeRTT's dips locked onto one of those places for a whole call."""
+    return (TURNS, FAIR) if bin(iteration).count("1") % 2 == 0 else (FAIR, TURNS)
+
+
+def alternation_summary(rows: list[dict]) -> dict:
+    """Case "alternating" at one rate: each mode's mean over all iterations of the mean and of the last
+    pipeline's completion, their ratios (fair sharing over turns), and every iteration's ratios."""
+    per_mode = {mode: {r["iteration"]: r for r in rows if r["mode"] == mode} for mode in (TURNS, FAIR)}
+    iterations = sorted(set(per_mode[TURNS]) & set(per_mode[FAIR]))
+    if not iterations:
+        return {}
+    means = {mode: {key: statistics.mean(per_mode[mode][i][field] for i in iterations)
+                    for key, field in (("mean_s", "mean_s"), ("last_s", "seconds"))} for mode in (TURNS, FAIR)}
+    traced = all("small_windows" in per_mode[mode][i] for mode in (TURNS, FAIR) for i in iterations)
+    return {"iterations": len(iterations), "turns": means[TURNS], "fair sharing": means[FAIR],
+            **({"runs_with_small_windows": {name: sum(bool(per_mode[mode][i]["small_windows"]) for i in iterations)
+                                            for name, mode in (("turns", TURNS), ("fair sharing", FAIR))}}
+               if traced else {}),
+            "mean_ratio": means[FAIR]["mean_s"] / means[TURNS]["mean_s"],
+            "last_ratio": means[FAIR]["last_s"] / means[TURNS]["last_s"],
+            "worst_last_ratio": max(r["seconds"] for r in per_mode[FAIR].values())
+            / max(r["seconds"] for r in per_mode[TURNS].values()),
+            "per_iteration": [{"iteration": i, "turns_first": per_mode[TURNS][i]["position"] == 0,
+                               "mean_ratio": per_mode[FAIR][i]["mean_s"] / per_mode[TURNS][i]["mean_s"],
+                               "last_ratio": per_mode[FAIR][i]["seconds"] / per_mode[TURNS][i]["seconds"]}
+                              for i in iterations]}
+
+
+def alternation_text(summary: dict) -> str:
+    """alternation_summary on one line; each iteration as T (turns first) or F, then its mean/last ratios."""
+    dips = summary.get("runs_with_small_windows")
+    return (f"{summary['iterations']} iterations, mean {summary['mean_ratio']:.2f}x, last {summary['last_ratio']:.2f}x "
+            f"(slowest last {summary['worst_last_ratio']:.2f}x); per iteration " + ", ".join(
+                f"{'TF'[not it['turns_first']]} {it['mean_ratio']:.2f}/{it['last_ratio']:.2f}"
+                for it in summary["per_iteration"])
+            + (f"; runs with a window of <= {TINY_WINDOW} segments on a link carrying data: turns {dips['turns']}, "
+               f"fair sharing {dips['fair sharing']}" if dips else ""))
+
+
 def p2p_rows(rank: int, args, mode: str) -> tuple[list[dict], list]:
     """Parts (b) and (c), with every rank's egress samples for the timeline."""
     import torch.distributed as dist
 
+    from wanlink.c10d import mesh as mesh_module
+
     sampler = EgressSampler()
     dist.barrier()
     time_sends(rank, [(0, 2)], MiB)  # warm-up: links
-    if "pipelines" in args.p2p_cases:  # warm-up: striped, both pipelines' turns measure each member in both roles
+    if {"pipelines", "alternating"} & set(args.p2p_cases):
+        # warm-up: striped, both pipelines' turns measure each member in both roles
         time_sends(rank, [(0, 2), (1, 3)], WARM_UP_MIB * MiB)
     rows, windows = [], []
     cases = {"send": ("send", [(0, 2)], args.send_mib),
              "pipelines": ("two pipelines", [(0, 2), (1, 3)], args.pipeline_mib)}
-    for op, pairs, mib in (cases[name] for name in args.p2p_cases):
+    for op, pairs, mib in (cases[name] for name in args.p2p_cases if name in cases):
         for _ in range(args.iters):
             result = time_sends(rank, pairs, mib * MiB)
-            times = list(result["done"].values())
-            rows.append({"mode": mode, "op": op, "size_mib": mib, "seconds": max(times),
-                         "mean_s": statistics.mean(times), "per_pair": result["done"]})
+            rows.append(pipeline_row(mode, op, mib, result))
             windows.append({"op": op, "mode": mode, "wall": result["wall"]})
+    if "alternating" in args.p2p_cases and mode == "striped":
+        service = mesh_module._world_mesh.striping
+        striping_on = service.min_bytes
+        for iteration in range(args.alternations):
+            for position, alternate in enumerate(alternation_order(iteration)):
+                # every rank switches between the same two barriers: both ends decide alone whether a send is striped
+                service.min_bytes = striping_on if alternate == TURNS else 1 << 62
+                result = time_sends(rank, [(0, 2), (1, 3)], args.pipeline_mib * MiB, label=alternate)
+                rows.append({**pipeline_row(alternate, "two pipelines", args.pipeline_mib, result),
+                             "iteration": iteration, "position": position})
+                windows.append({"op": f"{'TF'[alternate == FAIR]}{iteration}", "mode": alternate,
+                                "wall": result["wall"]})
+        service.min_bytes = striping_on
     samples: list = [None] * dist.get_world_size()
     dist.all_gather_object(samples, sampler.stop())
     timeline = {"windows": windows, "egress": samples}
@@ -240,7 +324,8 @@ def run_mode(sites, mode: str, args, gloo: bool, parts: list[str], extra_env: di
                   "--ddp-iterations", str(args.ddp_iterations), "--parts", *parts,
                   "--send-mib", str(args.send_mib), "--pipeline-mib", str(args.pipeline_mib),
                   "--sizes-mib", *map(str, args.sizes_mib), *(["--gloo"] if gloo else []),
-                  "--p2p-cases", *args.p2p_cases, *(["--trace"] if args.trace else [])]
+                  "--p2p-cases", *args.p2p_cases, "--alternations", str(args.alternations),
+                  *(["--trace"] if args.trace else [])]
         procs = []
         for rank, name in enumerate(HOSTS):
             env = child_env(WANLINK_SITE=MODES.get(mode, MODES["site-aware"])(name),
@@ -327,6 +412,7 @@ TRACE_MIN_BYTES = 1 << 20  # sends and receives traced: of this size or more
 TRACE_CPU_S = 0.1
 STALL_BYTES = 1 << 20  # a WAN link's sample is traced when it acknowledged less with STALL_SEGMENTS in flight
 STALL_SEGMENTS = 64
+TINY_WINDOW = 4  # a stream's sample is traced when its congestion window is this small (BBR's ProbeRTT, a timeout)
 TRACE_EVENTS: list[tuple] = []  # (wall seconds, event, fields...) of this rank
 TRACING = False  # install_trace ran: time_sends records where each rank's timing starts
 
@@ -382,6 +468,26 @@ def _sample_wan_links() -> None:
         streams = [(i.bytes_acked or 0, i.unacked, i.snd_cwnd, i.total_retrans) for i in infos if i is not None]
         TRACE_EVENTS.append((time.time(), "tcp", peer, streams, len(link.queue), link.flow.held_messages,
                              link.flow.credit))
+
+
+def window_dips(per_rank: list[list[tuple]], windows: list[dict]) -> list[list[str]]:
+    """--trace: per timed window, the WAN links ("a0->b0") that carried STALL_BYTES or more in it and had a
+    stream at a congestion window of TINY_WINDOW segments or less in a sample within it (BBR's ProbeRTT)."""
+    dips = []
+    for window in windows:
+        start, end = window["wall"]
+        hit = set()
+        for rank, events in enumerate(per_rank):
+            series: dict[int, list] = {}
+            for event in events:
+                if event[1] == "tcp" and start <= event[0] <= end:
+                    series.setdefault(event[2], []).append(event[3])
+            for peer, samples in series.items():
+                acked = sum(s[0] for s in samples[-1]) - sum(s[0] for s in samples[0])
+                if acked >= STALL_BYTES and any(s[2] <= TINY_WINDOW for streams in samples for s in streams):
+                    hit.add(f"{HOSTS[rank]}->{HOSTS[peer]}")
+        dips.append(sorted(hit))
+    return dips
 
 
 def trace_links() -> None:
@@ -450,7 +556,8 @@ def trace_summary(per_rank: list[list[tuple]], hosts: tuple[str, ...]) -> str:
 
 def _tcp_line(event: tuple, previous: dict, host: str, hosts: tuple[str, ...]) -> str | None:
     """A WAN link's sample as a line when, since the link's sample before, its streams retransmitted,
-    or it had STALL_SEGMENTS or more in flight but fewer than STALL_BYTES were acknowledged (None otherwise)."""
+    or it had STALL_SEGMENTS or more in flight but fewer than STALL_BYTES were acknowledged, or a stream's
+    congestion window fell to TINY_WINDOW segments or less or came back from there (None otherwise)."""
     stamp, _kind, peer, streams, queued, held, credit = event
     before = previous.get((host, peer))
     previous[(host, peer)] = (stamp, streams)
@@ -459,7 +566,8 @@ def _tcp_line(event: tuple, previous: dict, host: str, hosts: tuple[str, ...]) -
     acked = sum(s[0] - b[0] for s, b in zip(streams, before[1]))
     retrans = [s[3] - b[3] for s, b in zip(streams, before[1])]
     in_flight = sum(s[1] for s in streams)
-    if not any(retrans) and (in_flight < STALL_SEGMENTS or acked >= STALL_BYTES):
+    tiny = [s[2] <= TINY_WINDOW for s in streams] != [b[2] <= TINY_WINDOW for b in before[1]]
+    if not any(retrans) and not tiny and (in_flight < STALL_SEGMENTS or acked >= STALL_BYTES):
         return None
     return (f"{host} tcp -> {hosts[peer]} acked {acked / 2**20:.2f} MiB in {1e3 * (stamp - before[0]):.0f} ms, "
             f"in flight {in_flight} segs, cwnd {[s[2] for s in streams]}, retrans +{retrans}, "
@@ -493,8 +601,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="TCP streams per link on every rank (WANLINK_STREAMS; default: each link probes its own)")
     parser.add_argument("--congestion", default=None,
                         help="TCP congestion control of every rank's streams (WANLINK_CONGESTION; default: bbr)")
-    parser.add_argument("--p2p-cases", nargs="+", choices=("send", "pipelines"), default=["send", "pipelines"],
-                        help="part p2p: (b) one send, (c) two pipelines")
+    parser.add_argument("--p2p-cases", nargs="+", choices=("send", "pipelines", "alternating"),
+                        default=["send", "pipelines", "alternating"],
+                        help="part p2p: (b) one send, (c) two pipelines per mode, (c) with the modes alternating")
+    parser.add_argument("--alternations", type=int, default=8,
+                        help="part p2p, case alternating: iterations (each times both modes)")
     parser.add_argument("--trace", action="store_true",
                         help="part p2p: record every rank's striping steps and sends (<name>_trace.txt)")
     parser.add_argument("--name", default="sites", help="file name of the JSON and PNG")
@@ -519,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     for rate in args.rates:
         with WanSites(hosts=2, rtt_ms=args.rtt_ms, rate_mbit=rate) as sites:
             runs = [(mode, collective_parts, None) for mode in MODES if collective_parts]
-            runs += [(mode, ["p2p"], env) for mode, env in P2P_MODES.items() if "p2p" in args.parts]
+            runs += [(mode, ["p2p"], env) for mode, env in P2P_MODES.items() if "p2p" in args.parts
+                     and (mode == "striped" or {"send", "pipelines"} & set(args.p2p_cases))]
             for mode, parts, env in runs:
                 emulators, ranks, wall = sites.cpu_seconds(), children_cpu_seconds(), time.monotonic()
                 packets = emulated_packets(sites)
@@ -528,10 +640,13 @@ def main(argv: list[str] | None = None) -> int:
                                            "ranks": children_cpu_seconds() - ranks, "wall": time.monotonic() - wall,
                                            **{k: v - packets[k] for k, v in emulated_packets(sites).items()}}
                 stats[mode] = result["stats"]
+                for timeline in (t for t in result["timeline"] if "trace" in t):
+                    for row, dips in zip(result["rows"], window_dips(timeline["trace"], timeline["windows"])):
+                        row["small_windows"] = dips
                 rows += [{**row, "rate_mbit": rate} for row in result["rows"]]
                 timelines += [{**part, "rate_mbit": rate} for part in result["timeline"]]
     for row in rows:
-        baseline = "direct" if row["mode"] in P2P_MODES else "flat ring"
+        baseline = BASELINES.get(row["mode"], "flat ring")
         base = [r for r in rows if r["mode"] == baseline and r["size_mib"] == row["size_mib"]
                 and r["op"] == row["op"] and r["rate_mbit"] == row["rate_mbit"]]
         if row["size_mib"]:
@@ -543,13 +658,19 @@ def main(argv: list[str] | None = None) -> int:
                        ("mode", "mode", "s"), ("seconds", "seconds (max)", ".2f"), ("mean_s", "mean s", ".2f"),
                        ("algbw_mbit", "algbw Mbit/s", ".0f"),
                        ("speedup", "x baseline (flat ring / direct)", ".2f"), ("mean_speedup", "x mean", ".2f")])
+    alternating = {f"{rate:g}": alternation_summary([r for r in rows if r["rate_mbit"] == rate and "iteration" in r])
+                   for rate in args.rates}
+    for rate, summary in alternating.items():
+        if summary:
+            print(f"(c) alternating at {rate} Mbit/s: {alternation_text(summary)}")
     print(f"CPU seconds per mode (emulators, ranks) and its wall seconds: {cpu}")
     print(f"load before {run.load_before}, after {run.header()['load_after']}")
     traces = [(t["rate_mbit"], t["windows"][0]["mode"], t.pop("trace")) for t in timelines if "trace" in t]
     print(run.save_json(args.name, {"rtt_ms": args.rtt_ms, "iters": args.iters, "rows": rows, "site_maps": stats,
+                                    "alternating": {rate: summary for rate, summary in alternating.items() if summary},
                                     "emulator_cpu_s": cpu, "timelines": timelines}))
     if rows and any(part != "p2p" for part in args.parts):
-        print(plot([r for r in rows if r["mode"] not in P2P_MODES], run, args.name))
+        print(plot([r for r in rows if r["mode"] not in BASELINES], run, args.name))
     if traces:
         print(run.save_text(f"{args.name}_trace.txt", "".join(
             f"== {rate:g} Mbit/s per host, {mode}\n" + trace_summary(trace, HOSTS) for rate, mode, trace in traces)))
