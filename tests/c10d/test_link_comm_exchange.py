@@ -65,27 +65,6 @@ async def test_every_message_arrives_and_waiting_for_names_the_peers_still_owing
     assert torch.equal(incoming[1], torch.ones(1000)) and torch.equal(incoming[2], torch.ones(1000) * 2)
 
 
-async def test_an_exchange_writes_its_messages_in_the_loop_iteration_that_queues_them(peers):
-    """Its sends leave in its first step, not one loop iteration later (``Link.write_queued``): the
-    check below runs right after that step, before the next iteration; the messages still arrive."""
-    comm = comm_of(peers)
-    mine = torch.arange(16, dtype=torch.uint8)
-    incoming = torch.zeros(16, dtype=torch.uint8)
-    logs = [pair.client.record_send_order() for pair in peers]
-    exchange = asyncio.ensure_future(comm.exchange([(1, mine, 0), (2, mine, 0)], [(1, incoming, 0)]))
-    written = []
-    asyncio.get_running_loop().call_soon(lambda: written.append([len(log) for log in logs]))
-    await asyncio.sleep(0)
-    assert written == [[1, 1]]
-    got = {peer: bytearray(16) for peer in (1, 2)}
-    for peer in (1, 2):
-        await asyncio.wait_for(peers[peer - 1].accepted.recv_into(got[peer], tag=TAG), 10)
-    assert all(bytes(got[peer]) == mine.numpy().tobytes() for peer in (1, 2))
-    await peers[0].accepted.send(b"\x07" * 16, tag=TAG)
-    await asyncio.wait_for(exchange, 10)
-    assert torch.equal(incoming, torch.full((16,), 7, dtype=torch.uint8))
-
-
 async def test_a_failed_link_ends_it_at_once_and_the_other_receive_goes_to_the_next_one(peers):
     comm = comm_of(peers)
     incoming = {peer: torch.zeros(4, dtype=torch.uint8) for peer in (1, 2)}

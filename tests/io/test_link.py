@@ -1,6 +1,5 @@
 """Striped links over loopback: sizes, stream counts, ordering, faults. Each test runs on asyncio and uvloop."""
 import asyncio
-import collections
 import contextlib
 import socket
 import subprocess
@@ -124,26 +123,6 @@ async def test_sends_leave_in_edf_or_arrival_order(order):
         assert finished == expected
         assert [tag for tag, _seq, _offset in log] == [tag for tag in expected for _chunk in range(4)]
         assert all(outs[tag] == pattern(MiB, tag) for tag in outs)
-    finally:
-        await p.close()
-
-
-async def test_write_queued_writes_now_what_would_leave_at_the_iterations_end():
-    """``write_queued``: the chunks queued in this loop iteration are written at once (one sendmsg
-    here, no loop iteration passes), and the end-of-iteration write scheduled for them is dropped."""
-    p = await open_pair(2)
-    try:
-        log = p.client.record_send_order()
-        sent = p.client.start_send(b"abc" * 1000, tag=5, until="written")
-        assert log == collections.deque()  # queued, to be written at the end of the iteration
-        p.client.write_queued()
-        assert list(log) == [(5, 0, 0)] and sent.done()  # written (and so settled) before any iteration
-        p.client.write_queued()  # nothing queued: nothing written
-        await asyncio.sleep(0.01)
-        assert list(log) == [(5, 0, 0)]  # not written twice
-        out = bytearray(3000)
-        await asyncio.wait_for(p.accepted.recv_into(out, tag=5), 10)
-        assert out == b"abc" * 1000
     finally:
         await p.close()
 

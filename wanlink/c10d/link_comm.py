@@ -55,15 +55,6 @@ def _release(held: list) -> None:
         held.pop().release_frames(after_wakeups=True)
 
 
-def _write_now(held: list) -> None:
-    """Write what ``exchange`` queued on each link now, its held frames (a receive's grant) with or
-    before the chunks (``Link.write_queued``): its first message leaves without one more loop iteration."""
-    while held:
-        link = held.pop()
-        link.write_queued()
-        link.release_frames()
-
-
 async def _all_done(futures: Sequence[asyncio.Future], several_links: bool) -> None:
     """Await every future; the first that fails ends the wait at once with its error. Futures of
     one link fail together (the link failed), so awaiting them in order finds a failure as soon as
@@ -169,10 +160,7 @@ class LinkComm(Comm):
         waiting[peer] = waiting.get(peer, 0) + 1
         try:
             link = self._mesh.cached(self._mesh_ranks[peer]) or await self._link(peer)
-            sent = link.start_send(as_buffer(tensor), tag=self._base_tag | piece, deadline=self._deadline,
-                                   until="written")
-            link.write_queued()  # (nothing else to queue: it leaves now, not at the loop iteration's end)
-            await sent
+            await link.send(as_buffer(tensor), tag=self._base_tag | piece, deadline=self._deadline, until="written")
         finally:
             waiting[peer] -= 1
 
@@ -220,10 +208,10 @@ class LinkComm(Comm):
     async def exchange(self, sends: Sequence[tuple], receives: Sequence[tuple]) -> None:
         """All of ``receives`` and ``sends`` ((peer, tensor, piece) each) at once, from this task:
         receives are posted and sends queued before the first wait (``Link.start_recv`` /
-        ``start_send``) and written at once (``Link.write_queued``), then their futures are awaited.
-        No task per message (``gather_all`` runs every message but one as a task: a task, a loop
-        iteration to start it and one more to hand its end back). The first failure ends it at once
-        (the other receives are given back; sends already queued still go out, as a cancelled ``send``'s)."""
+        ``start_send``), then their futures are awaited. No task per message (``gather_all`` runs
+        every message but one as a task: a task, a loop iteration to start it and one more to hand
+        its end back). The first failure ends it at once (the other receives are given back; sends
+        already queued still go out, as a cancelled ``send``'s)."""
         if not receives and len(sends) == 1:  # (a broadcast's root of two: nothing to run beside it)
             await self.send(*sends[0])
             return
@@ -247,7 +235,7 @@ class LinkComm(Comm):
                 else:
                     entry, message[1] = link.start_recv(as_buffer(tensor), tag=tag)
                     posted.append((link, entry))
-            _write_now(held)
+            _release(held)
             await _all_done([future for _peer, future in messages], len({peer for peer, _future in messages}) > 1)
         except BaseException:
             _release(held)

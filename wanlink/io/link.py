@@ -129,7 +129,7 @@ class Link:
         self._closing = False
         self._wake_start = 0
         self._holding = 0  # > 0: control frames wait for release_frames (one write for all of them)
-        self._chunks_due: asyncio.Handle | None = None  # _write_chunks, scheduled (write_queued runs it early)
+        self._chunks_due = False  # _write_chunks is scheduled
         self._frames_due = False  # _release_held_frames is scheduled (it holds one hold_frames)
         self._rate_samples: collections.deque = collections.deque()
         self._watchdog: asyncio.Task | None = None
@@ -709,25 +709,16 @@ class Link:
         """Have the streams write the queued chunks at the end of this loop iteration: the chunks of
         every send queued in it (by several tasks) then leave in deadline order, as from a writer task,
         but without waking one."""
-        if self._chunks_due is None:
-            self._chunks_due = self.loop.call_soon(self._write_chunks)
-
-    def write_queued(self) -> None:
-        """Have the streams write the queued chunks now rather than at the end of this loop iteration:
-        for a caller that queued every message it has for now (``LinkComm.exchange``), whose first
-        chunk so leaves without waiting for one more loop iteration. What other tasks queue later in
-        this iteration leaves after it (at the iteration's end, in deadline order among them)."""
-        handle = self._chunks_due
-        if handle is not None:
-            handle.cancel()
-            self._write_chunks()
+        if not self._chunks_due:
+            self._chunks_due = True
+            self.loop.call_soon(self._write_chunks)
 
     def _write_chunks(self) -> None:
         """Streams write the queued chunks (``_streams_in_turn``); a stream whose kernel buffer fills
         leaves the rest to the next one. A stream whose congestion window cannot send the next chunk
         (or SEND_ROOM_FLOOR of it) at once waits until the others had their turn: its kernel would
         take the chunk and hold it for round trips while another stream could send it now."""
-        self._chunks_due = None
+        self._chunks_due = False
         short = []
         for stream in self._streams_in_turn():
             if not self.queue:
