@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from wanlink.c10d.striped_p2p import WanQueue
+from wanlink.c10d.striped_p2p import WanQueue, hand_over
 
 
 @pytest.mark.asyncio
@@ -40,3 +40,52 @@ async def test_a_cancelled_waiter_leaves_the_routes_ahead_in_place():
     assert not behind.done()  # still behind the first, whose place the cancel did not touch
     first.leave()
     await asyncio.wait_for(behind, 1)
+
+
+class Wire:
+    """A link whose bytes on a tag have left the host (``on_wire``) when the test says so."""
+
+    def __init__(self):
+        self.left = False
+
+    def on_wire(self, tag: int) -> bool:
+        return self.left
+
+
+@pytest.mark.asyncio
+async def test_the_route_behind_starts_once_the_route_ahead_has_left_the_host_before_it_is_written():
+    """The hand-over does not wait for the route ahead's last piece to be written (at most 1 MiB
+    unacknowledged, a round trip later): the link would run empty in between."""
+    wan, link = WanQueue(), Wire()
+    ahead, behind = wan.join(0, 1), wan.join(0, 2)
+    await ahead.turn()
+    written = asyncio.get_running_loop().create_future()  # the route ahead's last send
+    handing = asyncio.ensure_future(hand_over(ahead, link, 7, [written]))
+    waiting = asyncio.ensure_future(behind.turn())
+    await asyncio.sleep(0.02)
+    assert not waiting.done()  # its bytes still wait in the kernel's buffers
+    link.left = True
+    await asyncio.wait_for(waiting, 1)
+    assert not handing.done() and not written.done()  # (it still waits for its send)
+    written.set_result(None)
+    await asyncio.wait_for(handing, 1)
+
+
+@pytest.mark.asyncio
+async def test_where_the_link_cannot_say_the_route_behind_starts_once_the_sends_are_written_or_failed():
+    wan, link = WanQueue(), Wire()
+    for outcome in (None, ConnectionError("gone")):
+        ahead, behind = wan.join(0, 1), wan.join(0, 2)
+        written = asyncio.get_running_loop().create_future()
+        handing = asyncio.ensure_future(hand_over(ahead, link, 7, [written]))
+        waiting = asyncio.ensure_future(behind.turn())
+        await asyncio.sleep(0.02)
+        assert not waiting.done()
+        if outcome is None:
+            written.set_result(None)
+        else:
+            written.set_exception(outcome)
+        await asyncio.wait_for(waiting, 1)
+        await asyncio.gather(handing, return_exceptions=True)
+        assert handing.exception() is outcome
+        behind.leave()

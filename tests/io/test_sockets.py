@@ -220,3 +220,23 @@ def test_tcp_send_room_is_the_congestion_window_less_what_waits_in_it():
                 assert tcp_send_room(conn) < 0  # more queued than the window can send
     with socket.socket(socket.AF_UNIX) as unix:
         assert tcp_send_room(unix) is None
+
+
+def test_tcp_notsent_bytes_counts_what_waits_in_the_kernel_unsent():
+    from wanlink.io.sockets import tcp_info, tcp_notsent_bytes
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the peer reads nothing: its window fills
+        with socket.create_connection(listener.getsockname()) as conn:
+            peer, _ = listener.accept()
+            with peer:
+                if tcp_info(conn) is None or _linux_release() < (4, 6):
+                    pytest.skip("no TCP_INFO notsent_bytes on this platform (Linux 4.6+)")
+                assert tcp_notsent_bytes(conn) == 0  # nothing given to the kernel yet
+                conn.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    for _ in range(1000):
+                        conn.send(b"x" * 65536)
+                assert tcp_notsent_bytes(conn) > 0  # more than the peer's window: held back unsent
+    with socket.socket(socket.AF_UNIX) as unix:
+        assert tcp_notsent_bytes(unix) is None

@@ -10,8 +10,8 @@ as the routes drain (``wanlink.sched.stripes.Dealer``): a carrier is fed its nex
 reports one written into its WAN link, so it holds at most FEED_DEPTH, and a route that drains its
 share first takes the tail of another's. Two transfers of one cell take turns, handed over link by
 link: the next is granted when the source has dealt the last piece of the current one, and each
-member's WAN link starts the next transfer's share as soon as it has written its last piece of the
-current one (:class:`WanQueue`), so no WAN link carries two transfers at once and none idles between them.
+member's WAN link starts the next transfer's share as soon as its last piece of the current one has
+left the host (:class:`WanQueue`), so no WAN link carries two transfers at once and none idles between them.
 
 Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
 reads the control messages of all its links on the loop thread and relays what it is asked to.
@@ -55,6 +55,8 @@ FEED_DEPTH = 4
 """Pieces of a route dealt and not yet written into its WAN link (the rest stay with the source,
 for whichever route drains first). Fewer left the links idle between pieces: "written" waits until
 at most 1 MiB of a piece is unacknowledged, and a carrier's next piece first crosses the local network."""
+HANDOVER_POLL_S = 0.002
+"""How often a route with its last piece queued asks whether all of it left the host (``hand_over``)."""
 END = piece_header(0, 0)
 """The header that ends a route."""
 NOMINAL_RATE = 100e6
@@ -106,13 +108,15 @@ async def recv_any(comm: LinkComm, peers: Sequence[int], buffer: torch.Tensor) -
 class WanQueue:
     """The striped routes one rank sends over its WAN link, one after another in the order they joined
     (per-link hand-over): a route's first piece goes onto the link only once every route ahead of it
-    has its last piece written (``until="written"``: in the kernel, and at most 1 MiB of it not yet
-    acknowledged), so the link carries one transfer at a time and is without bytes for at most about
-    a round trip less 1 MiB's time (none at 250 Mbit/s and 40 ms, about 20 ms at 500). Earlier was
-    traced worse: a link's streams share it, so bytes of the next transfer in the kernel beside the
-    current one's tail slow that tail down; started when the route ahead had its end queued, the
-    first transfer's last piece landed 0.26 s late, and when it had its end in the kernel, about
-    0.1 s late at 500 Mbit/s. Loop thread only."""
+    has left the host (:func:`hand_over`: all its bytes in the kernel and sent, none waiting in a
+    socket buffer), so the next transfer's bytes queue behind the current one's at the bottleneck
+    and the link carries one transfer at a time without draining between them. Both neighbours were
+    traced worse at 500 Mbit/s and 40 ms: a link's streams share it, so bytes of the next transfer in
+    the kernel beside the current one's unsent tail slow that tail down (started when the route ahead
+    had its end queued, the first transfer's last piece landed 0.26 s late; when it had its end in the
+    kernel, about 0.1 s late); started once the route ahead had its last piece written (``until=
+    "written"``: at most 1 MiB unacknowledged), the link ran without bytes for about a round trip
+    less 1 MiB's time (~20 ms). Loop thread only."""
 
     def __init__(self):
         self._open: list[asyncio.Future] = []  # a future per route that joined and has not left, in order
@@ -150,6 +154,22 @@ class WanPlace:
             self._left.set_result(None)
             if self.started is not None:
                 self._queue.log.append((*self._key, self.started, time.monotonic()))
+
+
+async def hand_over(place: WanPlace | None, link, tag: int, sends: list[asyncio.Future]) -> None:
+    """Wait for a route's ``sends`` on ``link`` (its last queued), letting the route behind it onto
+    this rank's WAN link (``place``, if any) as soon as all of them have left the host: every byte
+    in the kernel and sent (``link.on_wire``), so the next transfer's bytes queue behind them at the
+    bottleneck instead of beside them in the kernel, and the link does not drain between the two
+    (or else once every send is written, where the kernel cannot say)."""
+    pending = {send for send in sends if not send.done()}
+    while place is not None and pending:
+        done, pending = await asyncio.wait(pending, timeout=HANDOVER_POLL_S)
+        if link.on_wire(tag) or any(send.cancelled() or send.exception() for send in done):
+            break
+    if place is not None:
+        place.leave()
+    await gather_all(sends)
 
 
 class StripedP2P:
@@ -425,9 +445,7 @@ class StripedP2P:
                     sends[-1].add_done_callback(lambda _sent: room.release())
             sends.append(asyncio.ensure_future(link.send(END, tag=tag, until="written")))
             ended = True
-            await gather_all(sends)
-            if place is not None:  # (every piece in the kernel and at most 1 MiB of each unacknowledged)
-                place.leave()
+            await hand_over(place, link, tag, sends)
             for _ in range(FEED_DEPTH - 1):  # every piece written into the WAN link (a carrier: reported)
                 await room.acquire()
         finally:
@@ -509,9 +527,7 @@ class StripedP2P:
                             self._tell(origin, ["fed", serial, index])
                 forward.add_done_callback(forwarded)
                 sends.append(forward)
-            await gather_all(sends)
-            if place is not None:
-                place.leave()
+            await hand_over(place, outbound, tag, sends)
         except Exception as error:  # noqa: BLE001 - the ends see the lost member on their own links
             logger.warning("striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
                            "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)
