@@ -1,10 +1,12 @@
 """The per-link hand-over of striped routes (``WanQueue``): a rank's routes over its WAN link go one
 after another in the order they joined, whatever order their pieces arrive in."""
 import asyncio
+import types
 
 import pytest
 
-from wanlink.c10d.striped_p2p import WanQueue, hand_over
+from wanlink.c10d.striped_p2p import RELAY_WINDOW, WanQueue, hand_over, relay_pieces
+from wanlink.sched.stripes import piece_header
 
 
 @pytest.mark.asyncio
@@ -89,3 +91,55 @@ async def test_where_the_link_cannot_say_the_route_behind_starts_once_the_sends_
         await asyncio.gather(handing, return_exceptions=True)
         assert handing.exception() is outcome
         behind.leave()
+
+
+class Pieces:
+    """An inbound link holding a route's pieces (headers, payloads, its end), each received at once."""
+
+    def __init__(self, sizes):
+        self.limits = types.SimpleNamespace(max_transfer_size=1 << 30)
+        self.messages, offset = [], 0
+        for size in sizes:
+            self.messages += [piece_header(offset, size), bytes([len(self.messages) % 251]) * size]
+            offset += size
+        self.messages.append(piece_header(0, 0))
+        self.received = 0
+
+    async def recv_into(self, buffer, tag: int) -> None:
+        buffer[:] = self.messages[self.received]
+        self.received += 1
+
+
+class Outbound(Wire):
+    """An outbound link that records what is sent on it; each send is written when the test says."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent, self.written = [], []
+
+    async def send(self, buffer, tag: int, until: str) -> None:
+        self.sent.append(bytes(buffer))
+        done = asyncio.get_running_loop().create_future()
+        self.written.append(done)
+        await done
+
+
+@pytest.mark.asyncio
+async def test_a_carrier_lands_a_window_of_pieces_while_the_routes_ahead_hold_its_wan_link():
+    wan, inbound, outbound = WanQueue(), Pieces([4, 5, 6, 7, 8, 9]), Outbound()
+    ahead = wan.join(0, 1)
+    forwarded = []
+    relay = asyncio.ensure_future(relay_pieces(inbound, outbound, 7, wan.join(1, 1), "test relay", forwarded.append))
+    await asyncio.sleep(0.02)
+    assert inbound.received == 2 * RELAY_WINDOW + 1 and outbound.sent == []  # a window landed (and the next header)
+    ahead.leave()
+    await asyncio.sleep(0.02)
+    assert outbound.sent == inbound.messages[:2 * RELAY_WINDOW]  # in order, header before piece
+    while not relay.done():
+        for done in outbound.written:
+            if not done.done():
+                done.set_result(None)
+        outbound.left = True
+        await asyncio.sleep(0.005)
+    await relay
+    assert outbound.sent == inbound.messages and forwarded == [4, 5, 6, 7, 8, 9]

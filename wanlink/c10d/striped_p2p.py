@@ -31,7 +31,7 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Awaitable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import torch
 
@@ -170,6 +170,54 @@ async def hand_over(place: WanPlace | None, link, tag: int, sends: list[asyncio.
     if place is not None:
         place.leave()
     await gather_all(sends)
+
+
+async def relay_pieces(inbound, outbound, tag: int, place: WanPlace | None, what: str,
+                       forwarded: Callable[[int], None]) -> None:
+    """Forward one route's pieces on ``tag`` (each behind its header, then its end) from ``inbound``
+    to ``outbound`` in order, each as it lands; ``forwarded(length)`` once a piece is written onward.
+    At most RELAY_WINDOW pieces are held at once. A carrier's (``place``: its WAN link) go on landing
+    while the routes ahead still hold the link, so at its turn it has a window of them to write, not
+    just the first (traced: the second piece then crossed the local network only after the turn came,
+    and the WAN link ran dry after the first)."""
+    window = asyncio.Semaphore(RELAY_WINDOW)
+    free: list[memoryview] = []  # piece buffers whose forward was written: reused
+    landed: asyncio.Queue = asyncio.Queue()  # (header, buffer, length), in order
+
+    async def land() -> None:
+        while True:
+            header, buffer = bytearray(HEADER_BYTES), None
+            await inbound.recv_into(header, tag=tag)
+            _offset, length = read_piece_header(header, inbound.limits.max_transfer_size, what)
+            if length:
+                await window.acquire()
+                buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
+                await inbound.recv_into(buffer[:length], tag=tag)
+            landed.put_nowait((header, buffer, length))
+            if not length:
+                return
+
+    async def forward() -> None:
+        if place is not None:
+            await place.turn()
+        sends = []
+        while True:
+            header, buffer, length = await landed.get()
+            sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
+            if not length:
+                break
+            sent = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
+
+            def written(sent, buffer=buffer, length=length) -> None:
+                free.append(buffer)
+                window.release()
+                if not sent.cancelled() and sent.exception() is None:
+                    forwarded(length)
+            sent.add_done_callback(written)
+            sends.append(sent)
+        await hand_over(place, outbound, tag, sends)
+
+    await gather_all([land(), forward()])
 
 
 class StripedP2P:
@@ -490,8 +538,8 @@ class StripedP2P:
             count += length
 
     async def _relay(self, peer: int, origin: int, serial: int, index: int, destination: int, next_hop: int) -> None:
-        """Forward a route's pieces from ``peer`` to ``next_hop`` as each arrives; a carrier tells the
-        source each piece it wrote into its WAN link, so the source deals it the next."""
+        """Forward a route's pieces from ``peer`` to ``next_hop`` as each arrives (:func:`relay_pieces`);
+        a carrier tells the source each piece it wrote into its WAN link, so the source deals it the next."""
         tag = relay_tag(self.slot, origin, serial, index)
         carrying = self.sites.site(self.rank) == self.sites.site(origin)
         what = f"wanlink striped p2p relay at rank {self.rank} of rank {origin}'s transfer {serial}"
@@ -500,34 +548,13 @@ class StripedP2P:
             inbound, outbound = await self.mesh.link(peer), await self.mesh.link(next_hop)
             if next_hop != destination:
                 outbound.send_control(["relay", origin, serial, index, destination, destination])
-            window = asyncio.Semaphore(RELAY_WINDOW)
-            free: list[memoryview] = []  # piece buffers whose forward was written: reused
-            sends = []
-            while True:
-                header = bytearray(HEADER_BYTES)
-                await inbound.recv_into(header, tag=tag)
-                _offset, length = read_piece_header(header, inbound.limits.max_transfer_size, what)
-                if length:
-                    await window.acquire()
-                    buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
-                    await inbound.recv_into(buffer[:length], tag=tag)
-                if place is not None:  # (the first piece waits here, landed, until the routes ahead are queued)
-                    await place.turn()
-                sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
-                if not length:
-                    break
-                forward = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
 
-                def forwarded(sent, buffer=buffer, length=length) -> None:
-                    free.append(buffer)
-                    window.release()
-                    if not sent.cancelled() and sent.exception() is None:
-                        self.relayed_bytes += length
-                        if carrying:
-                            self._tell(origin, ["fed", serial, index])
-                forward.add_done_callback(forwarded)
-                sends.append(forward)
-            await hand_over(place, outbound, tag, sends)
+            def forwarded(length: int) -> None:
+                self.relayed_bytes += length
+                if carrying:
+                    self._tell(origin, ["fed", serial, index])
+
+            await relay_pieces(inbound, outbound, tag, place, what, forwarded)
         except Exception as error:  # noqa: BLE001 - the ends see the lost member on their own links
             logger.warning("striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
                            "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)
