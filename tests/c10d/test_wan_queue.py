@@ -45,13 +45,17 @@ async def test_a_cancelled_waiter_leaves_the_routes_ahead_in_place():
 
 
 class Wire:
-    """A link whose bytes on a tag have left the host (``on_wire``) when the test says so."""
+    """A link whose bytes on a tag have left the host (``on_wire``) when the test says so (None:
+    its kernel cannot say), with a round trip of ``rtt`` seconds."""
 
-    def __init__(self):
-        self.left = False
+    def __init__(self, rtt: float = 0.2):
+        self.left, self.rtt = False, rtt
 
-    def on_wire(self, tag: int) -> bool:
+    def on_wire(self, tag: int) -> bool | None:
         return self.left
+
+    def min_rtt_s(self) -> float:
+        return self.rtt
 
 
 @pytest.mark.asyncio
@@ -76,6 +80,7 @@ async def test_the_route_behind_starts_once_the_route_ahead_has_left_the_host_be
 @pytest.mark.asyncio
 async def test_where_the_link_cannot_say_the_route_behind_starts_once_the_sends_are_written_or_failed():
     wan, link = WanQueue(), Wire()
+    link.left = None
     for outcome in (None, ConnectionError("gone")):
         ahead, behind = wan.join(0, 1), wan.join(0, 2)
         written = asyncio.get_running_loop().create_future()
@@ -90,6 +95,27 @@ async def test_where_the_link_cannot_say_the_route_behind_starts_once_the_sends_
         await asyncio.wait_for(waiting, 1)
         await asyncio.gather(handing, return_exceptions=True)
         assert handing.exception() is outcome
+        behind.leave()
+
+
+@pytest.mark.asyncio
+async def test_sends_written_with_bytes_still_unsent_in_the_kernel_hold_the_route_behind_for_at_most_a_round_trip():
+    """A last piece under 1 MiB is written once it is in the kernel, unsent: the route behind waits
+    until it has left (its bytes would slow the tail down), or a round trip if other bytes keep the
+    kernel's buffers full."""
+    wan = WanQueue()
+    for link in (Wire(rtt=10.0), Wire(rtt=0.1)):
+        ahead, behind = wan.join(0, 1), wan.join(0, 2)
+        written = asyncio.get_running_loop().create_future()
+        written.set_result(None)
+        handing = asyncio.ensure_future(hand_over(ahead, link, 7, [written]))
+        waiting = asyncio.ensure_future(behind.turn())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        if link.rtt > 1:
+            link.left = True
+        await asyncio.wait_for(waiting, 1)
+        await asyncio.wait_for(handing, 1)
         behind.leave()
 
 

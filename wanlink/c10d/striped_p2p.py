@@ -160,14 +160,27 @@ async def hand_over(place: WanPlace | None, link, tag: int, sends: list[asyncio.
     """Wait for a route's ``sends`` on ``link`` (its last queued), letting the route behind it onto
     this rank's WAN link (``place``, if any) as soon as all of them have left the host: every byte
     in the kernel and sent (``link.on_wire``), so the next transfer's bytes queue behind them at the
-    bottleneck instead of beside them in the kernel, and the link does not drain between the two
-    (or else once every send is written, where the kernel cannot say)."""
-    pending = {send for send in sends if not send.done()}
-    while place is not None and pending:
-        done, pending = await asyncio.wait(pending, timeout=HANDOVER_POLL_S)
-        if link.on_wire(tag) or any(send.cancelled() or send.exception() for send in done):
-            break
+    bottleneck instead of beside them in the kernel, and the link does not drain between the two.
+    Not at "every send written": a piece under 1 MiB is written as soon as it is in the kernel, and
+    the last pieces are (TAIL_SHRINK). Where the kernel cannot say, once every send is written; where
+    other bytes keep the kernel's buffers from emptying, at most a round trip after that."""
     if place is not None:
+        loop = asyncio.get_running_loop()
+        pending, patience = {send for send in sends if not send.done()}, None
+        while True:
+            if pending:
+                done, pending = await asyncio.wait(pending, timeout=HANDOVER_POLL_S)
+                if any(send.cancelled() or send.exception() for send in done):
+                    break
+            else:
+                await asyncio.sleep(HANDOVER_POLL_S)
+            wire = link.on_wire(tag)
+            if wire or (not pending and wire is None):
+                break
+            if not pending:
+                patience = patience or loop.time() + (link.min_rtt_s() or 0.0)
+                if loop.time() >= patience:
+                    break
         place.leave()
     await gather_all(sends)
 

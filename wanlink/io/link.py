@@ -831,14 +831,14 @@ class Link:
                 total += acked
         return total
 
-    def on_wire(self, tag: int) -> bool:
+    def on_wire(self, tag: int) -> bool | None:
         """Whether every send started on ``tag`` has left this host: all its chunks written into the
         kernel and no live stream's kernel buffer holding bytes not sent yet (TCP_INFO
-        ``notsent_bytes``, whatever their tag). False while one of them is not, and where a stream's
-        kernel cannot say (not TCP)."""
+        ``notsent_bytes``, whatever their tag). None where a stream's kernel cannot say (not TCP)."""
         if any(transfer.tag == tag and transfer.unwritten for transfer, _done in self._outgoing.values()):
             return False
-        return all(tcp_notsent_bytes(stream.sock) == 0 for stream in self._streams if stream.alive)
+        notsent = [tcp_notsent_bytes(stream.sock) for stream in self._streams if stream.alive]
+        return None if None in notsent else not any(notsent)
 
     def min_rtt_s(self) -> float | None:
         """The smallest minimum RTT the kernel saw on any live TCP stream (seconds); None where unknown."""
