@@ -955,3 +955,17 @@ async def test_local_streams_do_not_ask_the_kernel_for_their_window_per_chunk(pa
     monkeypatch.setattr(link_module, "tcp_send_room", lambda sock: asked.append(sock) or 0)
     await asyncio.gather(pair.client.send(b"x" * 8000, tag=1), pair.accepted.recv_into(bytearray(8000), tag=1))
     assert asked == [] and pair.client.streams == 4
+
+
+async def test_on_wire_holds_while_a_send_on_the_tag_is_not_all_in_the_kernel(pair):
+    """``on_wire`` (the striped routes' hand-over): False while a chunk of a send on the tag waits
+    in user space, True once everything is written and the kernel holds nothing unsent."""
+    from wanlink.io.sockets import tcp_info
+
+    if tcp_info(pair.client.stream_sockets()[0]) is None:
+        pytest.skip("no TCP_INFO on this platform")
+    sent = pair.client.start_send(bytes(8_000_000), tag=5)
+    assert not pair.client.on_wire(5)  # queued, no chunk written yet
+    out = bytearray(8_000_000)
+    await asyncio.gather(sent, pair.accepted.recv_into(out, tag=5))
+    assert pair.client.on_wire(5) and pair.client.on_wire(6)  # acknowledged: nothing left anywhere

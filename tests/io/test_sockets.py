@@ -202,8 +202,8 @@ def _linux_release() -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
 
 
-def test_tcp_send_room_is_the_congestion_window_less_what_waits_in_it():
-    from wanlink.io.sockets import tcp_info, tcp_send_room
+def test_tcp_send_room_is_the_congestion_window_less_what_waits_in_it_and_notsent_what_waits():
+    from wanlink.io.sockets import tcp_info, tcp_notsent_bytes, tcp_send_room
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the peer reads nothing: its window fills
@@ -213,10 +213,12 @@ def test_tcp_send_room_is_the_congestion_window_less_what_waits_in_it():
                 if tcp_info(conn) is None or _linux_release() < (4, 6):  # (not from tcp_send_room's None:
                     pytest.skip("no TCP_INFO notsent_bytes on this platform (Linux 4.6+)")  # that is the test)
                 assert tcp_send_room(conn) == tcp_info(conn).cwnd_bytes  # idle: the whole window
+                assert tcp_notsent_bytes(conn) == 0  # nothing given to the kernel yet
                 conn.setblocking(False)
                 with contextlib.suppress(BlockingIOError):
                     for _ in range(1000):
                         conn.send(b"x" * 65536)
                 assert tcp_send_room(conn) < 0  # more queued than the window can send
+                assert tcp_notsent_bytes(conn) > 0  # held back unsent (the striped routes' hand-over)
     with socket.socket(socket.AF_UNIX) as unix:
-        assert tcp_send_room(unix) is None
+        assert tcp_send_room(unix) is None and tcp_notsent_bytes(unix) is None

@@ -115,3 +115,17 @@ def test_a_report_far_ahead_of_the_next_due_is_refused_naming_the_transfer():
     assert InOrder().window == REPORT_WINDOW  # default: every route's end may overtake one delayed report
     with pytest.raises(ConfigError, match="at least 1"):
         InOrder(window=0)
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.005, 0.011, 0.021, 0.027])
+@pytest.mark.parametrize("rate", [57e6, 59e6, 61e6])
+def test_a_turns_routes_at_wan_rates_end_within_a_small_tail_piece_of_each_other(lag, rate):
+    """Two routes of 64 MiB at about 500 Mbit/s each (59 MB/s of goodput), 4 MiB pieces, 4 held per
+    route as on a cell's WAN links, the carrier's route starting up to 27 ms late (its first piece
+    crosses the local network): the pieces dealt last are small enough that the routes end within
+    12 ms of each other (with halves of 4 MiB at the tail: up to 55 ms), and no later than the
+    ideal end by more than that."""
+    rates = {0: 59e6, 1: rate}
+    busy, got, _dealer = deal([(0, 0, 64 * MiB), (1, 64 * MiB, 64 * MiB)], rates, 4 * MiB, depth=4, lags={1: lag})
+    assert abs(busy[0] - busy[1]) <= 0.012, busy
+    assert max(busy.values()) <= (128 * MiB + lag * rate) / (59e6 + rate) + 0.012

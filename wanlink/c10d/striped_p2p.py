@@ -10,8 +10,8 @@ as the routes drain (``wanlink.sched.stripes.Dealer``): a carrier is fed its nex
 reports one written into its WAN link, so it holds at most FEED_DEPTH, and a route that drains its
 share first takes the tail of another's. Two transfers of one cell take turns, handed over link by
 link: the next is granted when the source has dealt the last piece of the current one, and each
-member's WAN link starts the next transfer's share as soon as it has written its last piece of the
-current one (:class:`WanQueue`), so no WAN link carries two transfers at once and none idles between them.
+member's WAN link starts the next transfer's share as soon as its last piece of the current one has
+left the host (:class:`WanQueue`), so no WAN link carries two transfers at once and none idles between them.
 
 Relaying needs no call from the members' training code: every rank's :class:`StripedP2P`
 reads the control messages of all its links on the loop thread and relays what it is asked to.
@@ -31,7 +31,7 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Awaitable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 import torch
 
@@ -55,6 +55,8 @@ FEED_DEPTH = 4
 """Pieces of a route dealt and not yet written into its WAN link (the rest stay with the source,
 for whichever route drains first). Fewer left the links idle between pieces: "written" waits until
 at most 1 MiB of a piece is unacknowledged, and a carrier's next piece first crosses the local network."""
+HANDOVER_POLL_S = 0.002
+"""How often a route with its last piece queued asks whether all of it left the host (``hand_over``)."""
 END = piece_header(0, 0)
 """The header that ends a route."""
 NOMINAL_RATE = 100e6
@@ -106,13 +108,15 @@ async def recv_any(comm: LinkComm, peers: Sequence[int], buffer: torch.Tensor) -
 class WanQueue:
     """The striped routes one rank sends over its WAN link, one after another in the order they joined
     (per-link hand-over): a route's first piece goes onto the link only once every route ahead of it
-    has its last piece written (``until="written"``: in the kernel, and at most 1 MiB of it not yet
-    acknowledged), so the link carries one transfer at a time and is without bytes for at most about
-    a round trip less 1 MiB's time (none at 250 Mbit/s and 40 ms, about 20 ms at 500). Earlier was
-    traced worse: a link's streams share it, so bytes of the next transfer in the kernel beside the
-    current one's tail slow that tail down; started when the route ahead had its end queued, the
-    first transfer's last piece landed 0.26 s late, and when it had its end in the kernel, about
-    0.1 s late at 500 Mbit/s. Loop thread only."""
+    has left the host (:func:`hand_over`: all its bytes in the kernel and sent, none waiting in a
+    socket buffer), so the next transfer's bytes queue behind the current one's at the bottleneck
+    and the link carries one transfer at a time without draining between them. Both neighbours were
+    traced worse at 500 Mbit/s and 40 ms: a link's streams share it, so bytes of the next transfer in
+    the kernel beside the current one's unsent tail slow that tail down (started when the route ahead
+    had its end queued, the first transfer's last piece landed 0.26 s late; when it had its end in the
+    kernel, about 0.1 s late); started once the route ahead had its last piece written (``until=
+    "written"``: at most 1 MiB unacknowledged), the link ran without bytes for about a round trip
+    less 1 MiB's time (~20 ms). Loop thread only."""
 
     def __init__(self):
         self._open: list[asyncio.Future] = []  # a future per route that joined and has not left, in order
@@ -150,6 +154,83 @@ class WanPlace:
             self._left.set_result(None)
             if self.started is not None:
                 self._queue.log.append((*self._key, self.started, time.monotonic()))
+
+
+async def hand_over(place: WanPlace | None, link, tag: int, sends: list[asyncio.Future]) -> None:
+    """Wait for a route's ``sends`` on ``link`` (its last queued), letting the route behind it onto
+    this rank's WAN link (``place``, if any) as soon as all of them have left the host: every byte
+    in the kernel and sent (``link.on_wire``), so the next transfer's bytes queue behind them at the
+    bottleneck instead of beside them in the kernel, and the link does not drain between the two.
+    Not at "every send written": a piece under 1 MiB is written as soon as it is in the kernel, and
+    the last pieces are (TAIL_SHRINK). Where the kernel cannot say, once every send is written; where
+    other bytes keep the kernel's buffers from emptying, at most a round trip after that."""
+    if place is not None:
+        loop = asyncio.get_running_loop()
+        pending, patience = {send for send in sends if not send.done()}, None
+        while True:
+            if pending:
+                done, pending = await asyncio.wait(pending, timeout=HANDOVER_POLL_S)
+                if any(send.cancelled() or send.exception() for send in done):
+                    break
+            else:
+                await asyncio.sleep(HANDOVER_POLL_S)
+            wire = link.on_wire(tag)
+            if wire or (not pending and wire is None):
+                break
+            if not pending:
+                patience = patience or loop.time() + (link.min_rtt_s() or 0.0)
+                if loop.time() >= patience:
+                    break
+        place.leave()
+    await gather_all(sends)
+
+
+async def relay_pieces(inbound, outbound, tag: int, place: WanPlace | None, what: str,
+                       forwarded: Callable[[int], None]) -> None:
+    """Forward one route's pieces on ``tag`` (each behind its header, then its end) from ``inbound``
+    to ``outbound`` in order, each as it lands; ``forwarded(length)`` once a piece is written onward.
+    At most RELAY_WINDOW pieces are held at once. A carrier's (``place``: its WAN link) go on landing
+    while the routes ahead still hold the link, so at its turn it has a window of them to write, not
+    just the first (traced: the second piece then crossed the local network only after the turn came,
+    and the WAN link ran dry after the first)."""
+    window = asyncio.Semaphore(RELAY_WINDOW)
+    free: list[memoryview] = []  # piece buffers whose forward was written: reused
+    landed: asyncio.Queue = asyncio.Queue()  # (header, buffer, length), in order
+
+    async def land() -> None:
+        while True:
+            header, buffer = bytearray(HEADER_BYTES), None
+            await inbound.recv_into(header, tag=tag)
+            _offset, length = read_piece_header(header, inbound.limits.max_transfer_size, what)
+            if length:
+                await window.acquire()
+                buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
+                await inbound.recv_into(buffer[:length], tag=tag)
+            landed.put_nowait((header, buffer, length))
+            if not length:
+                return
+
+    async def forward() -> None:
+        if place is not None:
+            await place.turn()
+        sends = []
+        while True:
+            header, buffer, length = await landed.get()
+            sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
+            if not length:
+                break
+            sent = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
+
+            def written(sent, buffer=buffer, length=length) -> None:
+                free.append(buffer)
+                window.release()
+                if not sent.cancelled() and sent.exception() is None:
+                    forwarded(length)
+            sent.add_done_callback(written)
+            sends.append(sent)
+        await hand_over(place, outbound, tag, sends)
+
+    await gather_all([land(), forward()])
 
 
 class StripedP2P:
@@ -425,9 +506,7 @@ class StripedP2P:
                     sends[-1].add_done_callback(lambda _sent: room.release())
             sends.append(asyncio.ensure_future(link.send(END, tag=tag, until="written")))
             ended = True
-            await gather_all(sends)
-            if place is not None:  # (every piece in the kernel and at most 1 MiB of each unacknowledged)
-                place.leave()
+            await hand_over(place, link, tag, sends)
             for _ in range(FEED_DEPTH - 1):  # every piece written into the WAN link (a carrier: reported)
                 await room.acquire()
         finally:
@@ -472,8 +551,8 @@ class StripedP2P:
             count += length
 
     async def _relay(self, peer: int, origin: int, serial: int, index: int, destination: int, next_hop: int) -> None:
-        """Forward a route's pieces from ``peer`` to ``next_hop`` as each arrives; a carrier tells the
-        source each piece it wrote into its WAN link, so the source deals it the next."""
+        """Forward a route's pieces from ``peer`` to ``next_hop`` as each arrives (:func:`relay_pieces`);
+        a carrier tells the source each piece it wrote into its WAN link, so the source deals it the next."""
         tag = relay_tag(self.slot, origin, serial, index)
         carrying = self.sites.site(self.rank) == self.sites.site(origin)
         what = f"wanlink striped p2p relay at rank {self.rank} of rank {origin}'s transfer {serial}"
@@ -482,36 +561,13 @@ class StripedP2P:
             inbound, outbound = await self.mesh.link(peer), await self.mesh.link(next_hop)
             if next_hop != destination:
                 outbound.send_control(["relay", origin, serial, index, destination, destination])
-            window = asyncio.Semaphore(RELAY_WINDOW)
-            free: list[memoryview] = []  # piece buffers whose forward was written: reused
-            sends = []
-            while True:
-                header = bytearray(HEADER_BYTES)
-                await inbound.recv_into(header, tag=tag)
-                _offset, length = read_piece_header(header, inbound.limits.max_transfer_size, what)
-                if length:
-                    await window.acquire()
-                    buffer = free.pop() if free and len(free[-1]) >= length else memoryview(bytearray(length))
-                    await inbound.recv_into(buffer[:length], tag=tag)
-                if place is not None:  # (the first piece waits here, landed, until the routes ahead are queued)
-                    await place.turn()
-                sends.append(asyncio.ensure_future(outbound.send(header, tag=tag, until="written")))
-                if not length:
-                    break
-                forward = asyncio.ensure_future(outbound.send(buffer[:length], tag=tag, until="written"))
 
-                def forwarded(sent, buffer=buffer, length=length) -> None:
-                    free.append(buffer)
-                    window.release()
-                    if not sent.cancelled() and sent.exception() is None:
-                        self.relayed_bytes += length
-                        if carrying:
-                            self._tell(origin, ["fed", serial, index])
-                forward.add_done_callback(forwarded)
-                sends.append(forward)
-            await gather_all(sends)
-            if place is not None:
-                place.leave()
+            def forwarded(length: int) -> None:
+                self.relayed_bytes += length
+                if carrying:
+                    self._tell(origin, ["fed", serial, index])
+
+            await relay_pieces(inbound, outbound, tag, place, what, forwarded)
         except Exception as error:  # noqa: BLE001 - the ends see the lost member on their own links
             logger.warning("striped p2p: rank %d could not relay share %d of rank %d's transfer %d "
                            "to rank %d: %r", self.rank, index, origin, serial, next_hop, error)

@@ -9,8 +9,8 @@ import time
 from wanlink.errors import ConfigError, LimitExceeded, PeerLost, RemoteProtocolError, WanlinkError
 from wanlink.io import registry
 from wanlink.io.sockets import (
-    close_quietly, congestion_of, is_local_socket, log, tcp_bytes_acked, tcp_info, tcp_rtt_s, tcp_send_progress,
-    tcp_send_room,
+    close_quietly, congestion_of, is_local_socket, log, tcp_bytes_acked, tcp_info, tcp_notsent_bytes, tcp_rtt_s,
+    tcp_send_progress, tcp_send_room,
 )
 from wanlink.io.stream import Stream
 from wanlink.proto.control import abort_frame, pack_message, unpack_abort, unpack_message
@@ -830,6 +830,15 @@ class Link:
                     return None
                 total += acked
         return total
+
+    def on_wire(self, tag: int) -> bool | None:
+        """Whether every send started on ``tag`` has left this host: all its chunks written into the
+        kernel and no live stream's kernel buffer holding bytes not sent yet (TCP_INFO
+        ``notsent_bytes``, whatever their tag). None where a stream's kernel cannot say (not TCP)."""
+        if any(transfer.tag == tag and transfer.unwritten for transfer, _done in self._outgoing.values()):
+            return False
+        notsent = [tcp_notsent_bytes(stream.sock) for stream in self._streams if stream.alive]
+        return None if None in notsent else not any(notsent)
 
     def min_rtt_s(self) -> float | None:
         """The smallest minimum RTT the kernel saw on any live TCP stream (seconds); None where unknown."""

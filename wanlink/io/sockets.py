@@ -285,6 +285,19 @@ def tcp_send_room(sock: socket.socket) -> int | None:
     return (cwnd - unacked) * mss - notsent
 
 
+_NOTSENT_FIELDS = (_TCP_INFO_OFFSETS["notsent_bytes"],)
+_NOTSENT_BYTES = _NOTSENT_FIELDS[0][0] + _NOTSENT_FIELDS[0][1].size
+
+
+def tcp_notsent_bytes(sock: socket.socket) -> int | None:
+    """Bytes this TCP socket's kernel buffer holds that have not been sent yet (TCP_INFO
+    ``notsent_bytes``); None where unknown (not TCP, closed, before 4.6)."""
+    if _raw_family(sock) not in _TCP_FAMILIES:
+        return None
+    fields = _tcp_info_fields(sock, _NOTSENT_FIELDS, _NOTSENT_BYTES)
+    return None if fields is None else fields[0]
+
+
 def tcp_send_progress(sock: socket.socket) -> tuple[int, int] | None:
     """(bytes given to the kernel, bytes the peer's kernel acknowledged) on this TCP socket: payload
     bytes sent less those retransmitted plus those not sent yet, and ``bytes_acked`` (which counts
