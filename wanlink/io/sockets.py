@@ -257,13 +257,17 @@ def _tcp_info_fields(sock: socket.socket, fields: tuple, nbytes: int) -> tuple |
     return tuple(field.unpack_from(raw, offset)[0] for offset, field in fields)
 
 
-_SEND_PROGRESS_FIELDS = tuple(_TCP_INFO_OFFSETS[name] for name in ("bytes_acked", "notsent_bytes", "bytes_sent",
-                                                                     "bytes_retrans"))
-_SEND_PROGRESS_BYTES = max(offset + field.size for offset, field in _SEND_PROGRESS_FIELDS)
+def _tcp_info_layout(*names: str) -> tuple[tuple, int]:
+    """The (offset, struct) pairs of TCP_INFO's fields ``names`` for :func:`_tcp_info_fields`, and how
+    many of its first bytes hold them all."""
+    fields = tuple(_TCP_INFO_OFFSETS[name] for name in names)
+    return fields, max(offset + field.size for offset, field in fields)
 
 
-_SEND_ROOM_FIELDS = tuple(_TCP_INFO_OFFSETS[name] for name in ("snd_mss", "unacked", "snd_cwnd", "notsent_bytes"))
-_SEND_ROOM_BYTES = max(offset + field.size for offset, field in _SEND_ROOM_FIELDS)
+_SEND_PROGRESS_FIELDS, _SEND_PROGRESS_BYTES = _tcp_info_layout("bytes_acked", "notsent_bytes", "bytes_sent",
+                                                               "bytes_retrans")
+_SEND_ROOM_FIELDS, _SEND_ROOM_BYTES = _tcp_info_layout("snd_mss", "unacked", "snd_cwnd", "notsent_bytes")
+_NOTSENT_FIELDS, _NOTSENT_BYTES = _tcp_info_layout("notsent_bytes")
 
 
 _raw_family = _socket.socket.family.__get__
@@ -283,10 +287,6 @@ def tcp_send_room(sock: socket.socket) -> int | None:
         return None
     mss, unacked, cwnd, notsent = fields
     return (cwnd - unacked) * mss - notsent
-
-
-_NOTSENT_FIELDS = (_TCP_INFO_OFFSETS["notsent_bytes"],)
-_NOTSENT_BYTES = _NOTSENT_FIELDS[0][0] + _NOTSENT_FIELDS[0][1].size
 
 
 def tcp_notsent_bytes(sock: socket.socket) -> int | None:
