@@ -131,6 +131,9 @@ VARIABLES: tuple[Variable, ...] = (
              "or `fcfs` (arrival order)"),
     Variable("WANLINK_UNIX", "unix", _flag, "1",
              "0: ranks of one host link over TCP loopback instead of abstract Unix sockets"),
+    Variable("WANLINK_EXPRESS", "express", _flag, "1",
+             "0: collectives of a group whose ranks all share this host run on the I/O loop like any other, "
+             "instead of on the group's own thread over dedicated Unix sockets (docs/c10d.md, the express path)"),
     Variable("WANLINK_ADDR", "addr", _optional_text, "derived from the Store",
              "address this rank advertises to its peers"),
     Variable("WANLINK_BIND", "bind", _optional_text, "derived from the Store (0.0.0.0 or 127.0.0.1)",
@@ -170,6 +173,7 @@ class Settings:
     chunk_order: str = "edf"
     congestion: str | None = None
     unix: bool = True
+    express: bool = True
     addr: str | None = None
     bind: str | None = None
     site: str | None = None

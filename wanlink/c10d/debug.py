@@ -13,7 +13,7 @@ import torch
 
 from wanlink.c10d.checks import SUPPORTED_DTYPES as DTYPES
 from wanlink.c10d.tags import HEADER_PIECE
-from wanlink.collectives.base import Comm, gather_all
+from wanlink.collectives.base import Comm, exchange
 from wanlink.errors import DesyncError
 
 OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -60,8 +60,8 @@ async def check_fingerprint(comm: Comm, mine: Fingerprint, group_name: str) -> N
     neighbours = sorted({(me - 1) % n, (me + 1) % n})
     packed = mine.pack()
     incoming = {peer: torch.empty(_HEADER.size, dtype=torch.uint8) for peer in neighbours}
-    await gather_all([comm.send(peer, packed, HEADER_PIECE) for peer in neighbours]
-                     + [comm.recv(peer, incoming[peer], HEADER_PIECE) for peer in neighbours])
+    await exchange(comm, [(peer, packed, HEADER_PIECE) for peer in neighbours],
+                   [(peer, incoming[peer], HEADER_PIECE) for peer in neighbours])
     for peer in neighbours:
         theirs = Fingerprint.unpack(incoming[peer])
         if theirs != mine:

@@ -97,6 +97,22 @@ def _nothing() -> None:
     pass
 
 
+def silent_peers(mesh: Mesh, mesh_ranks: Sequence[int], peers: Sequence[int], longer_than: float) -> dict[int, float]:
+    """Of group ranks ``peers``, those whose link received nothing for ``longer_than`` s: peer -> seconds.
+
+    A peer whose process runs keeps pinging, even while it waits on someone else; one that is
+    frozen (stopped, swapping, stuck holding the GIL) or cut off goes silent. (Reads the links'
+    last-heard times, which the loop thread writes.)
+    """
+    silent = {}
+    for peer in peers:
+        link = mesh.cached(mesh_ranks[peer])
+        quiet = float("-inf") if link is None else link.silent_s()
+        if quiet > longer_than:
+            silent[peer] = quiet
+    return silent
+
+
 class LinkComm(Comm):
     """The ``Comm`` of one collective (or p2p op) of a group whose rank k is ``mesh_ranks[k]`` on ``mesh``."""
 
@@ -124,20 +140,6 @@ class LinkComm(Comm):
         for messages in self._exchanges:
             waiting.update(peer for peer, future in messages if future is None or not future.done())
         return sorted(waiting)
-
-    def silent(self, peers: Sequence[int], longer_than: float) -> dict[int, float]:
-        """Of ``peers``, those whose link received nothing for ``longer_than`` s: peer -> seconds (loop thread).
-
-        A peer whose process runs keeps pinging, even while it waits on someone else; one that is
-        frozen (stopped, swapping, stuck holding the GIL) or cut off goes silent.
-        """
-        silent = {}
-        for peer in peers:
-            link = self._mesh.cached(self._mesh_ranks[peer])
-            quiet = float("-inf") if link is None else link.silent_s()
-            if quiet > longer_than:
-                silent[peer] = quiet
-        return silent
 
     @contextlib.contextmanager
     def _exchanging(self, peers: Sequence[int]):

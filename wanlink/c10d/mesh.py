@@ -2,7 +2,9 @@
 
 Every member runs one wanlink server and publishes ``host:port`` under ``wanlink/addr/<rank>``,
 and under ``wanlink/local/<rank>`` its host key and abstract Unix socket: members of one host (and
-network namespace) link over Unix sockets instead of TCP loopback (``WANLINK_UNIX=0`` turns that off).
+network namespace) link over Unix sockets instead of TCP loopback (``WANLINK_UNIX=0`` turns that off),
+and, after it, the abstract socket of its express listener (wanlink/c10d/express.py; empty with
+``WANLINK_EXPRESS=0`` or ``WANLINK_SECURE=1``, whose frames all go encrypted through the links).
 Under ``wanlink/site/<rank>`` it publishes its site (``WANLINK_SITE``, else its host): the world's
 :class:`~wanlink.sched.sites.SiteMap` (docs/sites.md).
 Links are made at start-up (and re-requested lazily), one per pair of members, and shared by
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from wanlink.c10d.tags import group_slot
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost
 from wanlink.endpoints import connect, serve
+from wanlink.io.express import ExpressListener
 from wanlink.io.runtime import get_runtime
 from wanlink.io.sockets import same_host_key
 from wanlink.sched.sites import SiteMap, site_name
@@ -132,6 +135,8 @@ class Mesh:
         self.server = None
         self.addresses: dict[int, tuple[str, int]] = {}
         self.unix_names: dict[int, str] = {}  # peers of this host: their abstract socket
+        self.express: ExpressListener | None = None
+        self.express_names: dict[int, str] = {}  # peers of this host: their express listener
         self.site = site_name(settings.site, same_host_key(), socket.gethostname())
         bind, advertised = advertised_address(store, settings)
         host_key = same_host_key() if settings.unix else ""
@@ -140,6 +145,8 @@ class Mesh:
                   unix=bool(host_key), settings=settings),
             timeout.total_seconds())
         try:
+            if host_key and settings.express and not settings.secure:
+                self.express = ExpressListener(self.secret, self.world)
             self._rendezvous(store, advertised, host_key)
         except BaseException:
             self.close()
@@ -149,7 +156,8 @@ class Mesh:
         """Publish this member's addresses, read everyone's, and make every link."""
         rank, timeout = self.rank, self.timeout
         store.set(ADDRESS_KEY.format(rank=rank), f"{advertised}:{self.server.port}")
-        store.set(LOCAL_KEY.format(rank=rank), f"{host_key} {self.server.unix_name or ''}")
+        express_name = self.express.name if self.express is not None else ""
+        store.set(LOCAL_KEY.format(rank=rank), f"{host_key} {self.server.unix_name or ''} {express_name}")
         store.set(SITE_KEY.format(rank=rank), self.site)
         for peer in range(self.size):
             joined = f"rank {peer} of {self.size} to join"
@@ -163,9 +171,12 @@ class Mesh:
                 raise ConfigError(f"wanlink rendezvous: rank {peer} published a malformed address {address!r} "
                                   f"under {ADDRESS_KEY.format(rank=peer)!r}")
             self.addresses[peer] = (host, int(port))
-            peer_key, _, unix_name = _store_get(store, LOCAL_KEY.format(rank=peer), timeout).decode().partition(" ")
+            peer_key, unix_name, peer_express = (_store_get(store, LOCAL_KEY.format(rank=peer), timeout).decode()
+                                                 .split(" ") + ["", ""])[:3]
             if host_key and peer_key == host_key and unix_name:
                 self.unix_names[peer] = unix_name
+            if host_key and peer_key == host_key and peer_express and self.express is not None:
+                self.express_names[peer] = peer_express
         self.sites = SiteMap([_store_get(store, SITE_KEY.format(rank=peer), timeout).decode()
                               for peer in range(self.size)])
         try:
@@ -292,6 +303,8 @@ class Mesh:
     def close(self) -> None:
         """Close the server and every link, and stop being the world mesh (idempotent; any non-loop thread)."""
         _forget_world_mesh(self)
+        if self.express is not None:
+            self.express.close()
         if self._closed or not self.runtime.running:
             return
         try:

@@ -23,14 +23,15 @@ from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse
                                  reduce_name, root_of, root_tensor_list, same_numel, single, split_counts)
 from wanlink.c10d.deadlines import URGENT, current_deadline
 from wanlink.c10d.debug import VARIES, Fingerprint, check_fingerprint
+from wanlink.c10d.express import ExpressGroup
 from wanlink.c10d.gc_freeze import freeze_gc_once
 from wanlink.c10d.identity import GroupIdentity
-from wanlink.c10d.link_comm import LinkComm
+from wanlink.c10d.link_comm import LinkComm, silent_peers
 from wanlink.c10d.mesh import Mesh
 from wanlink.c10d.staging import Staging, copy_parts
 from wanlink.c10d.work import WanlinkWork
 from wanlink.collectives import direct, sparse
-from wanlink.collectives.choice import AlgorithmChoice
+from wanlink.collectives.choice import ROUND_BASED, AlgorithmChoice
 from wanlink.collectives.base import Comm, gather_all, split
 from wanlink.collectives.reduce_ops import reducer_for
 from wanlink.errors import ConfigError, DeadlineExceeded, PeerLost, UnsupportedError
@@ -44,6 +45,13 @@ SILENT_S = 3.0
 """A peer whose link received nothing for this long (3 missed pings) is named as frozen in a timeout."""
 SHUTDOWN_DRAIN_SECONDS = 10.0
 """Longest the world group waits at shutdown for peers to finish reading what it sent."""
+
+
+def _traced(op: str):
+    """A profiler range named after ``op`` when torch's profiler runs (a range costs ~5 us and a GIL
+    hand-off: only then)."""
+    return torch.profiler.record_function(f"wanlink:{op}") if torch.autograd._profiler_enabled() \
+        else contextlib.nullcontext()
 
 
 class OpWatch:
@@ -102,6 +110,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         striped_p2p.serve(mesh, settings.stripe_min_bytes, settings.piece_bytes)  # relays on the loop thread
         self.algorithms = AlgorithmChoice.for_group(settings.direct_max_bytes, self.site_map)
         self.piece_bytes = settings.piece_bytes
+        self.express = ExpressGroup.for_group(mesh, self.mesh_ranks, group_rank, self.slot, settings.piece_bytes)
         self.detail = detail  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's fingerprint
         self._sequence = 0
         self._sequence_lock = threading.Lock()
@@ -139,18 +148,11 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         ``everyone``: every member takes part (a collective), so a failed link to any member fails
         ``body`` at once, naming that rank, even while it waits on another one.
         """
-        where = f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
-
+        where = self._where(label)
         work = WanlinkWork(op, outputs, reports_source, where)
 
         def timed_out() -> DeadlineExceeded:
-            waiting = sorted({peer for comm in comms for peer in comm.waiting_for()}) or \
-                [rank for rank in range(self.group_size) if rank != self.group_rank]
-            silent = comms[0].silent(waiting, SILENT_S) if comms else {}
-            named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
-                            f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
-            return DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
-                                    f"dead, stuck or not calling it{named}")
+            return self._timed_out(where, seconds, sorted({peer for comm in comms for peer in comm.waiting_for()}))
 
         async def guarded():
             try:
@@ -182,22 +184,40 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
             else:
                 work.succeed(result)
 
-        traced = torch.autograd._profiler_enabled()  # a range costs ~5 us and a GIL hand-off: only when traced
-        with torch.profiler.record_function(f"wanlink:{op}") if traced else contextlib.nullcontext():
+        with _traced(op):
             self.mesh.runtime.start(guarded(), work.task_done)
         return work
 
+    def _where(self, label: str) -> str:
+        return f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
+
+    def _timed_out(self, where: str, seconds: float, waiting: list[int]) -> DeadlineExceeded:
+        """What an op that ran out of its ``seconds`` raises: whom it ``waiting`` for (all others when
+        unknown), and which of them went silent (frozen or cut off) rather than merely late."""
+        waiting = waiting or [rank for rank in range(self.group_size) if rank != self.group_rank]
+        silent = silent_peers(self.mesh, self.mesh_ranks, waiting, SILENT_S)
+        named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
+                        f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
+        return DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
+                                f"dead, stuck or not calling it{named}")
+
     def _collective(self, op: str, fingerprint: tuple, body: Callable[..., Awaitable[None]],
-                    staging: Staging, outputs: list, opts=None, parts: int = 1) -> WanlinkWork:
+                    staging: Staging, outputs: list, opts=None, parts: int = 1,
+                    algorithm: Callable | None = None) -> WanlinkWork:
         """Run ``body`` under a fresh sequence number; write staged outputs back at the end.
 
         ``parts`` > 1 (coalesced calls): ``body`` gets that many Comms, one per sub-collective, each
-        with its own sequence number and so its own tags.
+        with its own sequence number and so its own tags. ``algorithm``: the one ``body`` runs, when
+        it runs one; one of ``ROUND_BASED`` takes a same-host group's express path (c10d/express.py).
         """
         sequence = self._next_sequence(parts)
         dtype, count, root = fingerprint
-        deadline = current_deadline()  # the launching thread's deadline_scope, URGENT outside one
-        comms = [self._comm(tags.collective_tag(self.slot, sequence + k), deadline) for k in range(parts)]
+        express = self.express is not None and algorithm in ROUND_BASED
+        if express:
+            comms = [self.express.comm(sequence)]
+        else:
+            deadline = current_deadline()  # the launching thread's deadline_scope, URGENT outside one
+            comms = [self._comm(tags.collective_tag(self.slot, sequence + k), deadline) for k in range(parts)]
 
         async def run() -> None:
             if self.detail:
@@ -207,8 +227,16 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
             for comm in comms:
                 comm.release()  # only on success: after a failure a send may still read its buffer
 
-        return self._launch(op, f"{op} #{sequence}", run(), outputs,
-                            self._timeout_seconds(getattr(opts, "timeout", None)), comms, everyone=True)
+        seconds = self._timeout_seconds(getattr(opts, "timeout", None))
+        if not express:
+            return self._launch(op, f"{op} #{sequence}", run(), outputs, seconds, comms, everyone=True)
+        where = self._where(f"{op} #{sequence}")
+        work = WanlinkWork(op, outputs, False, where)
+        with _traced(op):
+            self.express.submit(work, where, run(), comms[0], seconds,
+                                lambda waiting: self._timed_out(where, seconds, waiting),
+                                blocking=not getattr(opts, "asyncOp", True))
+        return work
 
     def sites(self) -> dict:
         """This rank's site and LocalDPRank and the group's cells (``wanlink.c10d.site_map``)."""
@@ -230,7 +258,9 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await self.algorithms.allreduce(comm, buffer, reducer, name)
 
-        return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts)
+        algorithm = self.algorithms.allreduce_algorithm(self.group_size, self.piece_bytes, buffer)
+        return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts,
+                                algorithm=algorithm)
 
     def _sparse_allreduce(self, op: str, tensor: torch.Tensor, opts) -> WanlinkWork:
         """All-reduce of a sparse COO tensor: ``tensor`` becomes the coalesced sum, as with gloo."""
@@ -259,7 +289,8 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
             await self.algorithms.allreduce(comm, flat, reducer, name)
             copy_parts(flat, tensors)
 
-        return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts)
+        return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts,
+                                algorithm=self.algorithms.allreduce_algorithm(self.group_size, self.piece_bytes, flat))
 
     def _reduce_scatter_blocks(self, op: str, blocks: list[torch.Tensor], output: torch.Tensor,
                                name: str, staging: Staging, outputs: list, opts) -> WanlinkWork:
@@ -269,7 +300,9 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await self.algorithms.reduce_scatter(comm, blocks, result, reducer, name)
 
-        return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts)
+        return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts,
+                                algorithm=self.algorithms.reduce_scatter_algorithm(self.group_size, self.piece_bytes,
+                                                                                   result))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """``dist.reduce_scatter``."""
@@ -352,7 +385,8 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await self.algorithms.reduce(comm, buffer, root, reducer, name)
 
-        return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
+        return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts,
+                                algorithm=self.algorithms.reduce_algorithm(buffer))
 
     # -- data movement ------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -367,14 +401,16 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await self.algorithms.broadcast(comm, buffer, root)
 
-        return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts)
+        return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts,
+                                algorithm=self.algorithms.broadcast_algorithm(self.piece_bytes, buffer))
 
     def _all_gather_into(self, op: str, source: torch.Tensor, targets: list[torch.Tensor],
                          staging: Staging, outputs: list, opts) -> WanlinkWork:
         async def body(comm: Comm) -> None:
             await self.algorithms.all_gather(comm, source, targets)
 
-        return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts)
+        return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts,
+                                algorithm=self.algorithms.all_gather_algorithm(self.piece_bytes, targets))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """``dist.all_gather``."""
@@ -475,7 +511,8 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await direct.gather(comm, source, root, targets)
 
-        return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(output_tensors), opts)
+        return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(output_tensors), opts,
+                                algorithm=direct.gather)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """``dist.scatter``."""
@@ -490,7 +527,8 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await direct.scatter(comm, sources, root, target)
 
-        return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(output_tensors), opts)
+        return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(output_tensors), opts,
+                                algorithm=direct.scatter)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """``dist.all_to_all``."""
@@ -507,7 +545,8 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await direct.all_to_all(comm, sources, targets)
 
-        return self._collective(op, (input_tensors[0].dtype, VARIES, -1), body, staging, list(output_tensors), opts)
+        return self._collective(op, (input_tensors[0].dtype, VARIES, -1), body, staging, list(output_tensors), opts,
+                                algorithm=direct.all_to_all)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         """``dist.all_to_all_single``."""
@@ -525,7 +564,8 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await direct.all_to_all(comm, sources, targets)
 
-        return self._collective(op, (input.dtype, VARIES, -1), body, staging, [output], opts)
+        return self._collective(op, (input.dtype, VARIES, -1), body, staging, [output], opts,
+                                algorithm=direct.all_to_all)
 
     # -- synchronisation ----------------------------------------------------------------------
     def barrier(self, opts=None):
@@ -533,7 +573,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         async def body(comm: Comm) -> None:
             await direct.barrier(comm)
 
-        return self._collective("barrier", (None, 0, -1), body, Staging(), [], opts)
+        return self._collective("barrier", (None, 0, -1), body, Staging(), [], opts, algorithm=direct.barrier)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
         """``wanlink.c10d.monitored_barrier`` (torch's ``dist.monitored_barrier`` takes gloo groups only)."""
@@ -609,12 +649,16 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
     # -- lifecycle ----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Drain, then close the links when this group owns them (``destroy_process_group``)."""
+        if self.express is not None:
+            self.express.close()
         if self.owns_mesh:
             self._drain()
             self.mesh.close()
 
     def abort(self) -> None:
         """Close the links at once when this group owns them."""
+        if self.express is not None:
+            self.express.close()
         if self.owns_mesh:
             self.mesh.close()
 

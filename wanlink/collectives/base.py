@@ -61,10 +61,17 @@ def split(tensor: torch.Tensor, pieces: int) -> list[torch.Tensor]:
     return [tensor[start:stop] for start, stop in piece_bounds(tensor.numel(), pieces)]
 
 
-async def _cancel(tasks: list[asyncio.Task]) -> None:
+def _synchronous(futures: Sequence) -> bool:
+    """Whether ``futures`` are a synchronous Comm's (``completes_when_awaited``): awaiting one moves
+    that Comm's bytes on the calling thread until it is done, so there is no event loop to gather on."""
+    return bool(futures) and getattr(futures[0], "completes_when_awaited", False)
+
+
+async def _cancel(tasks: list) -> None:
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if not _synchronous(tasks):
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Tasks:
@@ -73,7 +80,8 @@ class Tasks:
 
     ``send`` and ``recv`` start a message without a task where the Comm can (``start_send`` /
     ``start_recv``, a process group's ``LinkComm``: the message is queued or the receive posted now,
-    and its future is what is awaited); elsewhere they spawn the Comm's ``send`` / ``recv``."""
+    and its future is what is awaited; a same-host group's ``ExpressComm``, whose futures complete
+    when awaited); elsewhere they spawn the Comm's ``send`` / ``recv``."""
 
     def __init__(self) -> None:
         self.tasks: list[asyncio.Future] = []
@@ -105,7 +113,11 @@ class Tasks:
     async def run(self, body: Callable[["Tasks"], object]) -> None:
         try:
             await body(self)
-            await asyncio.gather(*self.tasks)
+            if _synchronous(self.tasks):
+                for task in self.tasks:
+                    await task
+            else:
+                await asyncio.gather(*self.tasks)
         except BaseException:
             for give_back in self._give_back:  # (a receive still posted goes to the next one on its tag)
                 give_back()
