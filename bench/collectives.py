@@ -3,10 +3,15 @@
 For world sizes 2 and 4 and sizes from 64 KiB to 256 MiB, times all_reduce, broadcast, all_gather
 and reduce_scatter on a wanlink default group and a gloo group of the same processes, in the same
 run. The two backends' iterations alternate, so load swings on a shared machine hit both alike.
-Every iteration starts right after a barrier on a third (gloo) group, outside the timed region;
-an iteration's time is its slowest rank's. Columns follow nccl-tests: ``size`` is the per-rank
+Every iteration starts right after a barrier on a third (gloo) group, outside the timed region.
+An iteration's time is its latency: from the moment the last rank called the op to the moment the
+last rank returned (the ranks share this host's clock). The ranks leave a barrier up to a few hundred
+microseconds apart, and how far apart depends on what ran before it (measured: 30-150 us median
+before a wanlink op, 25-50 us before a gloo op, each following the other); the longest time one rank
+spent in the call, which counts that skew, is kept in the JSON (``slowest_rank_p50_s``, with
+``start_skew_p50_s``). Columns follow nccl-tests: ``size`` is the per-rank
 buffer (all_gather: the gathered output; reduce_scatter: the input), time percentiles p50 / p90
-over the iterations, ``algbw = size / p50`` and ``busbw`` algbw times the op's bus factor
+(and p99 in the JSON) over the iterations, ``algbw = size / p50`` and ``busbw`` algbw times the op's bus factor
 (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). ``gloo/wanlink`` is
 the ratio of the p50 times: above 1, wanlink is faster.
 
@@ -85,27 +90,32 @@ def make_call(op: str, nbytes: int, group):
     return lambda: dist.broadcast(tensor, group_src=0, group=group)
 
 
-def time_point(op: str, nbytes: int, groups: dict, sync, iters: int) -> dict[str, list[float]]:
-    """Per backend, every iteration's time (seconds, slowest rank), iterations alternating."""
+def time_point(op: str, nbytes: int, groups: dict, sync, iters: int) -> dict[str, dict[str, list[float]]]:
+    """Per backend, per iteration (iterations alternating): ``latency``, the time from the last rank's
+    start to the last rank's end; ``slowest``, the longest time one rank spent in the call; ``skew``, how
+    far apart the ranks started (seconds; the ranks share this host's monotonic clock)."""
     import torch
     import torch.distributed as dist
 
     calls = {backend: make_call(op, nbytes, group) for backend, group in groups.items()}
     for call in calls.values():
         call()  # warm-up: links, buffers
-    mine = {backend: [] for backend in calls}
+    marks = {backend: [] for backend in calls}
     for _ in range(iters):
         for backend, call in calls.items():
             dist.barrier(group=sync)
             started = time.perf_counter()
             call()
-            mine[backend].append(time.perf_counter() - started)
-    slowest = {}
-    for backend, times in mine.items():
-        gathered = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(gathered, op=dist.ReduceOp.MAX, group=sync)
-        slowest[backend] = gathered.tolist()
-    return slowest
+            marks[backend].append((started, time.perf_counter()))
+    results = {}
+    for backend, mine in marks.items():
+        everyone = [torch.empty(len(mine), 2, dtype=torch.float64) for _ in range(dist.get_world_size(sync))]
+        dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64), group=sync)
+        starts, ends = torch.stack(everyone).unbind(2)  # (rank, iteration) each
+        results[backend] = {"latency": (ends.max(0).values - starts.max(0).values).tolist(),
+                            "slowest": (ends - starts).max(0).values.tolist(),
+                            "skew": (starts.max(0).values - starts.min(0).values).tolist()}
+    return results
 
 
 THREADS = ("caller", "io")
@@ -221,13 +231,15 @@ def bench_rank(rank, world, store_path, sizes, iters, count_ops, queue) -> None:
                     counted += [{"op": op, "world": world, "bytes": size, "rank": r, "thread": thread, **values}
                                 for r, per_thread in enumerate(everyone) for thread, values in per_thread.items()]
                 for backend, times in time_point(op, size, groups, sync, count).items():
-                    ordered = sorted(times)
+                    ordered = sorted(times["latency"])
                     p50 = percentile(ordered, 0.5)
                     algbw = size / p50 / 1e9
                     rows.append({"op": op, "world": world, "backend": backend, "bytes": size, "iters": count,
-                                 "p50_s": p50, "p90_s": percentile(ordered, 0.9), "min_s": ordered[0],
-                                 "mean_s": sum(times) / len(times), "algbw_GBps": algbw,
-                                 "busbw_GBps": algbw * bus_factor(op, world)})
+                                 "p50_s": p50, "p90_s": percentile(ordered, 0.9), "p99_s": percentile(ordered, 0.99),
+                                 "min_s": ordered[0], "mean_s": sum(ordered) / len(ordered), "algbw_GBps": algbw,
+                                 "busbw_GBps": algbw * bus_factor(op, world),
+                                 "slowest_rank_p50_s": percentile(sorted(times["slowest"]), 0.5),
+                                 "start_skew_p50_s": percentile(sorted(times["skew"]), 0.5)})
                 if rank == 0:
                     p50 = {row["backend"]: row["p50_s"] for row in rows[-2:]}
                     print(f"  n={world} {op:<14} {show_size(size):>8}  p50 wanlink {p50['wanlink'] * 1e3:8.2f} ms"
@@ -346,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                 count_table(counted)
     header = run.header()
     print(f"\nwanlink vs gloo collectives over loopback; load {header['load_before'][0]} -> {header['load_after'][0]}; "
-          f"up to {args.iters} timed iterations per point, backends alternating\n{text}")
+          f"up to {args.iters} timed iterations per point, backends alternating; time: from the last rank's call "
+          f"to the last rank's return\n{text}")
     run.save_text("collectives.txt", text + "\n")
     run.save_json("collectives", {"rows": rows, "counts": counted})
     plot(run, rows)

@@ -105,9 +105,11 @@ class ExpressComm(Comm):
         await self.start_recv(peer, tensor, piece)[0]
 
     async def exchange(self, sends: Sequence[tuple], receives: Sequence[tuple]) -> None:
-        """Every receive posted and every send queued, then all moved together."""
-        started = [self.start_recv(*item)[0] for item in receives] + [self.start_send(*item) for item in sends]
-        for future in started:
+        """Every send queued and started, every receive posted, then all moved together."""
+        sent = [self.start_send(*item) for item in sends]
+        if sent:
+            self._group.sockets.progress(0.0)  # the bytes leave now, before the receives are posted
+        for future in [self.start_recv(*item)[0] for item in receives] + sent:
             await future
 
     def finish(self, item) -> None:

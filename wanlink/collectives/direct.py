@@ -88,9 +88,9 @@ async def all_gather(comm: Comm, tensor: torch.Tensor, outputs: Sequence[torch.T
     """``outputs[k]`` on every member = member k's ``tensor`` (sizes may differ per member)."""
     me = comm.rank
     peers = [peer for peer in range(comm.size) if peer != me]
-    if outputs[me].data_ptr() != tensor.data_ptr():
-        outputs[me].copy_(tensor)
     await exchange(comm, [(peer, tensor, 0) for peer in peers], [(peer, outputs[peer], 0) for peer in peers])
+    if outputs[me].data_ptr() != tensor.data_ptr():  # (after the messages: they leave sooner)
+        outputs[me].copy_(tensor)
 
 
 async def gather(comm: Comm, tensor: torch.Tensor, root: int, outputs: Sequence[torch.Tensor] | None) -> None:
