@@ -108,7 +108,7 @@ class ExpressComm(Comm):
         """Every send queued and started, every receive posted, then all moved together."""
         sent = [self.start_send(*item) for item in sends]
         if sent:
-            self._group.sockets.progress(0.0)  # the bytes leave now, before the receives are posted
+            self._group.sockets.move()  # the bytes leave now, before the receives are posted
         for future in [self.start_recv(*item)[0] for item in receives] + sent:
             await future
 
@@ -145,6 +145,8 @@ class ExpressGroup:
     def __init__(self, mesh: Mesh, mesh_ranks: Sequence[int], group_rank: int, slot: int, piece_bytes: int):
         self.mesh, self.mesh_ranks, self.slot = mesh, list(mesh_ranks), slot
         self.group_rank, self.size, self.piece_bytes = group_rank, len(mesh_ranks), piece_bytes
+        self._others = [peer for peer in range(self.size) if peer != group_rank]
+        self._connected = False  # a socket to every other member
         self.sockets = ExpressSockets()
         self.scratch = ScratchPool(SCRATCH_BYTES)
         self._jobs: collections.deque = collections.deque()  # collectives not begun, in issue order
@@ -207,12 +209,12 @@ class ExpressGroup:
 
     def _run(self, work: WanlinkWork, where: str, body: Coroutine, comm: ExpressComm, seconds: float,
              timed_out: Callable[[list[int]], DeadlineExceeded]) -> None:
-        others = [peer for peer in range(self.size) if peer != self.group_rank]
+        others = self._others
         try:
             if seconds <= 0:  # expired before it began: nothing is sent
                 raise _Expired()
             comm.deadline = time.monotonic() + seconds
-            missing = self._connect(others, comm.deadline)
+            missing = self._connect(comm.deadline) if not self._connected else None
             if missing:
                 body.close()
                 work.fail(timed_out(missing))
@@ -237,9 +239,9 @@ class ExpressGroup:
             if not isinstance(failure, Exception):
                 raise
 
-    def _connect(self, others: list[int], deadline: float) -> list[int]:
+    def _connect(self, deadline: float) -> list[int]:
         """Open the sockets still missing (the higher group rank dials); the peers still missing at ``deadline``."""
-        mesh = self.mesh
+        mesh, others = self.mesh, self._others
         for peer in others:
             if peer < self.group_rank and not self.sockets.has(peer):
                 world_rank = self.mesh_ranks[peer]
@@ -254,7 +256,9 @@ class ExpressGroup:
                 sock = mesh.express.take(self.slot, self.mesh_ranks[peer], deadline)
                 if sock is not None:
                     self.sockets.add(peer, sock, f"rank {peer}")
-        return [peer for peer in others if not self.sockets.has(peer)]
+        missing = [peer for peer in others if not self.sockets.has(peer)]
+        self._connected = not missing
+        return missing
 
     def _abandon(self, sequence: int) -> None:
         for peer in range(self.size):

@@ -112,6 +112,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         self.piece_bytes = settings.piece_bytes
         self.express = ExpressGroup.for_group(mesh, self.mesh_ranks, group_rank, self.slot, settings.piece_bytes)
         self.detail = detail  # TORCH_DISTRIBUTED_DEBUG=DETAIL: check every collective's fingerprint
+        self._in_group = f"(group {self.label!r}, rank {self.group_rank} of {self.group_size})"
         self._sequence = 0
         self._sequence_lock = threading.Lock()
         freeze_gc_once(settings.gc_freeze)
@@ -189,7 +190,7 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         return work
 
     def _where(self, label: str) -> str:
-        return f"wanlink {label} (group {self.label!r}, rank {self.group_rank} of {self.group_size})"
+        return f"wanlink {label} {self._in_group}"
 
     def _timed_out(self, where: str, seconds: float, waiting: list[int]) -> DeadlineExceeded:
         """What an op that ran out of its ``seconds`` raises: whom it ``waiting`` for (all others when

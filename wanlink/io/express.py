@@ -147,11 +147,10 @@ class ExpressSockets:
         """Write and read what every socket takes now; if none moved, wait for one until ``deadline``
         (``time.monotonic()``). False when the deadline passed with nothing moved. PeerLost when a
         peer's socket closed, ProtocolError when its bytes break the protocol."""
-        if self._move():
+        if self.move():
             return True
         for peer in self._peers.values():
-            mask = (select.POLLOUT if peer.outgoing.pending() else 0) | \
-                (select.POLLIN if peer.incoming.wants_reading() else 0)
+            mask = (select.POLLOUT if peer.outgoing.queue else 0) | (select.POLLIN if peer.incoming.unfilled else 0)
             fd = peer.sock.fileno()
             if self._watched.get(fd, 0) != mask:
                 if mask:
@@ -165,13 +164,14 @@ class ExpressSockets:
             return False
         if not self._poll.poll(max(1, int(left * 1000) + 1)):
             return time.monotonic() < deadline
-        self._move()
+        self.move()
         return True
 
-    def _move(self) -> bool:
+    def move(self) -> bool:
+        """Write and read what every socket takes now, without waiting; whether any byte moved."""
         moved = False
         for peer in self._peers.values():
-            if peer.outgoing.pending():
+            if peer.outgoing.queue:
                 try:
                     peer.outgoing.advance(peer.sock.sendmsg(peer.outgoing.buffers()))
                     moved = True
@@ -180,7 +180,7 @@ class ExpressSockets:
                 except OSError as error:
                     raise PeerLost(f"{peer.name} closed its express socket ({error}): its process exited "
                                    f"or gave up on the group") from error
-            while peer.incoming.wants_reading():
+            while peer.incoming.unfilled:
                 try:
                     count = peer.sock.recv_into(peer.incoming.view())
                 except BlockingIOError:

@@ -41,21 +41,18 @@ class Outgoing:
     """The messages waiting to be written to one peer, in order."""
 
     def __init__(self) -> None:
-        self._queue: collections.deque[Message] = collections.deque()
+        self.queue: collections.deque[Message] = collections.deque()  # (empty: nothing to write)
         self._started = False  # some bytes of the head message were written
 
     def push(self, sequence: int, piece: int, payload: memoryview) -> Message:
         message = Message(sequence, piece, payload.cast("B"))
-        self._queue.append(message)
+        self.queue.append(message)
         return message
-
-    def pending(self) -> bool:
-        return bool(self._queue)
 
     def buffers(self, most: int = 8) -> list[memoryview]:
         """The bytes to write next, as buffers for one gathering write (up to ``most`` messages)."""
         out: list[memoryview] = []
-        for message in self._queue:
+        for message in self.queue:
             out.extend(buffer for buffer in message.buffers if buffer.nbytes)
             most -= 1
             if not most:
@@ -64,8 +61,8 @@ class Outgoing:
 
     def advance(self, written: int) -> None:
         """``written`` bytes of ``buffers()`` left: trim them, completing the messages they end."""
-        while self._queue:
-            message = self._queue[0]
+        while self.queue:
+            message = self.queue[0]
             for index, buffer in enumerate(message.buffers):
                 taken = min(written, buffer.nbytes)
                 if taken:
@@ -73,15 +70,15 @@ class Outgoing:
             if any(buffer.nbytes for buffer in message.buffers):
                 return
             message.done, message.buffers = True, []
-            self._queue.popleft()
+            self.queue.popleft()
             self._started = False
 
     def abandon(self, sequence: int) -> None:
         """Drop collective ``sequence``'s messages that have not begun (one half written goes on)."""
-        head = self._queue.popleft() if self._started and self._queue else None
-        self._queue = collections.deque(message for message in self._queue if message.sequence != sequence)
+        head = self.queue.popleft() if self._started and self.queue else None
+        self.queue = collections.deque(message for message in self.queue if message.sequence != sequence)
         if head is not None:
-            self._queue.appendleft(head)
+            self.queue.appendleft(head)
 
 
 class Receive:
@@ -96,14 +93,14 @@ class Receive:
 class Incoming:
     """Matches one peer's messages to the receives posted for them, in each piece's posting order.
 
-    Bytes are read only while a receive is posted (``wants_reading``): a peer that runs ahead waits
+    Bytes are read only while a receive is posted (``unfilled``): a peer that runs ahead waits
     in its socket's buffer, which bounds memory. The peer ``name`` (e.g. "rank 2") is for errors.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._posted: dict[tuple[int, int], collections.deque[Receive]] = {}
-        self._unfilled = 0
+        self.unfilled = 0  # receives posted and not complete (0: nothing to read)
         self._current = -1  # the latest collective that posted a receive here
         self._header = bytearray(HEADER.size)
         self._header_got = 0
@@ -116,14 +113,11 @@ class Incoming:
     def post(self, sequence: int, piece: int, target: memoryview) -> Receive:
         receive = Receive(sequence, piece, target.cast("B"))
         self._posted.setdefault((sequence, piece), collections.deque()).append(receive)
-        self._unfilled += 1
+        self.unfilled += 1
         self._current = max(self._current, sequence)
         if self._parsed is not None:
             self._match()
         return receive
-
-    def wants_reading(self) -> bool:
-        return self._unfilled > 0
 
     def view(self) -> memoryview:
         """Where the next bytes read from the peer go."""
@@ -150,9 +144,9 @@ class Incoming:
     def abandon(self, sequence: int) -> None:
         """Collective ``sequence`` failed here: withdraw its receives (a payload being read is dropped)."""
         for key in [key for key in self._posted if key[0] == sequence]:
-            self._unfilled -= len(self._posted.pop(key))
+            self.unfilled -= len(self._posted.pop(key))
         if self._receive is not None and self._receive.sequence == sequence:
-            self._receive, self._unfilled = None, self._unfilled - 1
+            self._receive, self.unfilled = None, self.unfilled - 1
 
     def _match(self) -> None:
         sequence, piece, nbytes = self._parsed
@@ -180,7 +174,7 @@ class Incoming:
         if self._receive is not None:
             self._receive.done = True
             self._receive = None
-            self._unfilled -= 1
+            self.unfilled -= 1
 
 
 HELLO = struct.Struct("<4s16sII32s")
