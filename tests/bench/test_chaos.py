@@ -56,9 +56,13 @@ def test_a_frozen_rank_is_named_as_silent_when_the_collective_times_out():
     import random
 
     trial = chaos._peer_trial("freeze", random.Random(7), timeout_s=6)
-    for report in trial["survivors"]:
-        assert report["type"] == "DeadlineExceeded", report
-        assert f"rank {trial['victim']} sent nothing for" in report["message"], report
+    for report in trial["survivors"]:  # the op's timeout names it silent, or (first) its link's watchdog does:
+        # a link that carries only pings heard last from the victim up to a second before it froze
+        timed_out = report["type"] == "DeadlineExceeded" and f"rank {trial['victim']} sent nothing for" in \
+            report["message"]
+        link_verdict = report["type"] == "PeerLost" and report["names_victim"] and \
+            "silent for more than" in report["message"]
+        assert timed_out or link_verdict, report
 
 
 @pytest.mark.slow

@@ -32,6 +32,9 @@ from wanlink.collectives.base import Comm
 from wanlink.errors import DeadlineExceeded, PeerLost, ProtocolError
 from wanlink.io.express import ExpressSockets, dial
 
+LOST_POLL_S = 0.5
+"""How often a waiting collective (express or on the I/O loop) checks whether the link to one of its
+members failed."""
 SCRATCH_BYTES = 256 << 20
 """Scratch memory an express group keeps between collectives (halving's receive buffers)."""
 
@@ -113,10 +116,13 @@ class ExpressComm(Comm):
             await future
 
     def finish(self, item) -> None:
-        """Move bytes until ``item`` is done; _Expired once the deadline passed."""
+        """Move bytes until ``item`` is done; _Expired once the deadline passed, PeerLost (every
+        LOST_POLL_S while waiting) once the link to any member failed, as on the I/O loop."""
         while not item.done:
-            if not self._group.sockets.progress(self.deadline):
-                raise _Expired()
+            if not self._group.sockets.progress(min(self.deadline, time.monotonic() + LOST_POLL_S)):
+                if time.monotonic() >= self.deadline:
+                    raise _Expired()
+                self._group.check_members()
 
     async def compute(self, fn: Callable[..., None], *args) -> None:
         fn(*args)
@@ -238,6 +244,13 @@ class ExpressGroup:
             work.fail(error)
             if not isinstance(failure, Exception):
                 raise
+
+    def check_members(self) -> None:
+        """PeerLost naming a member whose link (its mesh link: pings, TCP or Unix socket) failed."""
+        for peer in self._others:
+            lost = self.mesh.lost(self.mesh_ranks[peer])
+            if lost is not None:
+                raise PeerLost(f"this collective cannot complete: {lost}") from lost
 
     def _connect(self, deadline: float) -> list[int]:
         """Open the sockets still missing (the higher group rank dials); the peers still missing at ``deadline``."""

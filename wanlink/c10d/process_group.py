@@ -23,7 +23,7 @@ from wanlink.c10d.checks import (check_batch, check_one_per_member, check_sparse
                                  reduce_name, root_of, root_tensor_list, same_numel, single, split_counts)
 from wanlink.c10d.deadlines import URGENT, current_deadline
 from wanlink.c10d.debug import VARIES, Fingerprint, check_fingerprint
-from wanlink.c10d.express import ExpressGroup
+from wanlink.c10d.express import LOST_POLL_S, ExpressGroup
 from wanlink.c10d.gc_freeze import freeze_gc_once
 from wanlink.c10d.identity import GroupIdentity
 from wanlink.c10d.link_comm import LinkComm, silent_peers
@@ -39,8 +39,6 @@ from wanlink.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-LOST_POLL_S = 0.5
-"""How often a collective checks whether the link to one of its members failed."""
 SILENT_S = 3.0
 """A peer whose link received nothing for this long (3 missed pings) is named as frozen in a timeout."""
 SHUTDOWN_DRAIN_SECONDS = 10.0
@@ -650,10 +648,11 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
     # -- lifecycle ----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Drain, then close the links when this group owns them (``destroy_process_group``)."""
+        if self.owns_mesh:
+            self._drain()
         if self.express is not None:
             self.express.close()
         if self.owns_mesh:
-            self._drain()
             self.mesh.close()
 
     def abort(self) -> None:
