@@ -173,7 +173,7 @@ class ExpressGroup:
     def comm(self, sequence: int) -> ExpressComm:
         return ExpressComm(self, sequence)
 
-    def submit(self, work: WanlinkWork, where: str, body: Coroutine, comm: ExpressComm, seconds: float,
+    def submit(self, work: WanlinkWork, where: object, body: Coroutine, comm: ExpressComm, seconds: float,
                timed_out: Callable[[list[int]], DeadlineExceeded], blocking: bool) -> None:
         """Run ``body`` (which uses ``comm``) after the collectives submitted before it, under a
         ``seconds`` timeout, and tell ``work`` how it ended; errors start with ``where``.
@@ -213,7 +213,7 @@ class ExpressGroup:
             thread.join()
         self.sockets.close()
 
-    def _run(self, work: WanlinkWork, where: str, body: Coroutine, comm: ExpressComm, seconds: float,
+    def _run(self, work: WanlinkWork, where: object, body: Coroutine, comm: ExpressComm, seconds: float,
              timed_out: Callable[[list[int]], DeadlineExceeded]) -> None:
         others = self._others
         try:

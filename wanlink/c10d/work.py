@@ -22,10 +22,10 @@ class WanlinkWork(Work):
     A receive's coroutine returns the sender's group rank, which ``_source_rank()`` reports.
     """
 
-    def __init__(self, op: str, outputs: list, reports_source: bool = False, label: str | None = None):
+    def __init__(self, op: str, outputs: list, reports_source: bool = False, label: object = None):
         super().__init__()
         self.op = op
-        self.label = label or f"wanlink {op}"  # what error messages call it: op, sequence, group
+        self.label = label or f"wanlink {op}"  # what error messages call it (op, sequence, group): str() of it
         self._outputs = outputs
         self._reports_source = reports_source
         self._source = -1
