@@ -34,6 +34,8 @@ from wanlink.io.express import ExpressSockets, dial
 
 SCRATCH_BYTES = 256 << 20
 """Scratch memory an express group keeps between collectives (halving's receive buffers)."""
+LOST_POLL_S = 0.5
+"""How often a waiting express collective checks the links to its members (as on the I/O loop)."""
 
 
 class _Expired(Exception):
@@ -111,10 +113,17 @@ class ExpressComm(Comm):
             await future
 
     def finish(self, item) -> None:
-        """Move bytes until ``item`` is done; _Expired once the deadline passed."""
+        """Move bytes until ``item`` is done; _Expired once the deadline passed; PeerLost once the
+        link to a member failed, checked whenever nothing moved for LOST_POLL_S (a rank waiting on
+        a survivor that gave up on a dead member would otherwise wait for its deadline)."""
+        check_at = time.monotonic() + LOST_POLL_S
         while not item.done:
-            if not self._group.sockets.progress(self.deadline):
-                raise _Expired()
+            if not self._group.sockets.progress(min(self.deadline, check_at)):
+                now = time.monotonic()
+                if now >= self.deadline:
+                    raise _Expired()
+                self._group.check_members()
+                check_at = now + LOST_POLL_S
 
     async def compute(self, fn: Callable[..., None], *args) -> None:
         fn(*args)
@@ -253,6 +262,13 @@ class ExpressGroup:
                 if sock is not None:
                     self.sockets.add(peer, sock, f"rank {peer}")
         return [peer for peer in others if not self.sockets.has(peer)]
+
+    def check_members(self) -> None:
+        """PeerLost if the link to a member failed (its process died, or broke the protocol)."""
+        for world_rank in self.mesh_ranks:
+            lost = self.mesh.lost(world_rank)
+            if lost is not None:
+                raise PeerLost(f"this collective cannot complete: {lost}") from lost
 
     def _abandon(self, sequence: int) -> None:
         for peer in range(self.size):
