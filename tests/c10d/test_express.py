@@ -245,6 +245,8 @@ def world(name: str):
             return run_world(2, two_ranks, timeout=240), None
         if name == "4 detail":
             return run_world(4, four_ranks, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=300), None
+        if name == "4 one dies":
+            return run_world(4, one_of_four_dies, init_timeout=120, timeout=240, allow_errors=True), None
         if name == "3 failures":
             return run_world(3, failures, init_timeout=120, timeout=240, allow_errors=True), None
         return run_world(2, express_off, env={"WANLINK_EXPRESS": "0"}, timeout=120), None
@@ -411,3 +413,37 @@ def test_a_peer_that_dies_mid_op_is_peer_lost_naming_it():
         assert status == "ok", result
         assert "all_reduce #4" in result["dead"] and "rank 2" in result["dead"], result["dead"]
     assert "exit code 17" in outcomes[2][1], outcomes[2]
+
+
+def one_of_four_dies(rank: int, size: int) -> tuple[str, float]:
+    """Rank 3 dies before a halving all_reduce. Rank 0 waits on rank 1 only (its partners are 2, then
+    1), and rank 1 fails at its first step (its partner is 3), so never sends what rank 0 waits for:
+    rank 0 must learn of the death from the group's links, not from its own sockets or its timeout."""
+    gloo = dist.new_group(backend="gloo")
+    dist.all_reduce(torch.ones(HALVING))  # sockets made
+    dist.barrier(group=gloo)
+    if rank == size - 1:
+        os._exit(17)
+    options = dist.AllreduceOptions()
+    options.timeout = timedelta(seconds=30)
+    started = time.monotonic()
+    try:
+        dist.distributed_c10d._get_default_group().allreduce([torch.ones(HALVING)], options).wait()
+        outcome = "no error"
+    except Exception as error:  # noqa: BLE001 - returned
+        outcome = f"{type(error).__name__}: {error}"
+    elapsed = time.monotonic() - started
+    store = dist.distributed_c10d._get_default_store()  # the survivors stay until all three are done (a
+    store.add("finished", 1)  # survivor that exits closes its sockets, which would tell the others)
+    deadline = time.monotonic() + 60
+    while store.add("finished", 0) < size - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return outcome, elapsed
+
+
+def test_a_dead_member_fails_a_halving_on_every_survivor_even_one_waiting_on_another():
+    outcomes = results("4 one dies")
+    assert "exit code 17" in outcomes[3][1], outcomes[3]
+    for rank, (status, (message, seconds)) in enumerate(outcomes[:3]):
+        assert status == "ok", message
+        assert message.startswith("PeerLost") and "rank 3" in message, f"rank {rank} after {seconds:.1f} s: {message}"
