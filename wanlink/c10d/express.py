@@ -115,14 +115,16 @@ class ExpressComm(Comm):
     def finish(self, item) -> None:
         """Move bytes until ``item`` is done; _Expired once the deadline passed; PeerLost once the
         link to a member failed, checked whenever nothing moved for LOST_POLL_S (a rank waiting on
-        a survivor that gave up on a dead member would otherwise wait for its deadline)."""
+        a survivor that gave up on a dead member would otherwise wait for its deadline). Members
+        this collective still waits for are left to their sockets: their process's death closes
+        them at once, and their silence (a frozen process) is for the timeout to name."""
         check_at = time.monotonic() + LOST_POLL_S
         while not item.done:
             if not self._group.sockets.progress(min(self.deadline, check_at)):
                 now = time.monotonic()
                 if now >= self.deadline:
                     raise _Expired()
-                self._group.check_members()
+                self._group.check_members(self.waiting_for())
                 check_at = now + LOST_POLL_S
 
     async def compute(self, fn: Callable[..., None], *args) -> None:
@@ -263,10 +265,10 @@ class ExpressGroup:
                     self.sockets.add(peer, sock, f"rank {peer}")
         return [peer for peer in others if not self.sockets.has(peer)]
 
-    def check_members(self) -> None:
-        """PeerLost if the link to a member failed (its process died, or broke the protocol)."""
-        for world_rank in self.mesh_ranks:
-            lost = self.mesh.lost(world_rank)
+    def check_members(self, waiting: Sequence[int]) -> None:
+        """PeerLost if the link to a member not in ``waiting`` failed (its process died, or broke the protocol)."""
+        for peer, world_rank in enumerate(self.mesh_ranks):
+            lost = None if peer in waiting else self.mesh.lost(world_rank)
             if lost is not None:
                 raise PeerLost(f"this collective cannot complete: {lost}") from lost
 
