@@ -360,6 +360,7 @@ def failures(rank: int, size: int) -> dict:
     results["zero"] = str(caught.value)
 
     late = 50_000  # elements (200 KiB): a direct exchange whose stale bytes outlast a scratch slice
+    dist.barrier(group=gloo)  # (ranks 0 and 1 enter #2 together, however loaded the host)
     if rank < size - 1:  # #2: the last rank comes only after the others gave up
         two = dist.AllreduceOptions()
         two.timeout = timedelta(seconds=2)
