@@ -249,6 +249,8 @@ def world(name: str):
             return run_world(4, one_of_four_dies, init_timeout=120, timeout=240, allow_errors=True), None
         if name == "3 failures":
             return run_world(3, failures, init_timeout=120, timeout=240, allow_errors=True), None
+        if name == "express off on one rank":
+            return run_world(2, express_off, rank_env=[{}, {"WANLINK_EXPRESS": "0"}], timeout=120), None
         return run_world(2, express_off, env={"WANLINK_EXPRESS": "0"}, timeout=120), None
     except Exception as error:  # noqa: BLE001 - reported by every test of that world
         return None, error
@@ -276,6 +278,11 @@ def express_off(rank: int, size: int) -> tuple[bool, bool]:
 
 def test_wanlink_express_0_keeps_every_collective_on_the_loop():
     assert results("express off") == [(True, True), (True, True)]
+
+
+def test_a_member_with_express_off_keeps_the_whole_group_on_the_loop():
+    """Every member must route a collective alike: one that publishes no express listener rules the path out."""
+    assert results("express off on one rank") == [(True, True), (True, True)]
 
 
 @pytest.mark.parametrize("world_name", ["2", "4 detail"])
