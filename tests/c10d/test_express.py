@@ -237,21 +237,21 @@ def two_ranks(rank: int, size: int) -> dict:
     return results
 
 
+WORLDS = {  # name: how to spawn it (the rank bodies are defined beside the tests that read them)
+    "2": lambda: run_world(2, two_ranks, timeout=240),
+    "express off": lambda: run_world(2, express_off, env={"WANLINK_EXPRESS": "0"}, timeout=120),
+    "express off on one rank": lambda: run_world(2, express_off, rank_env=[{}, {"WANLINK_EXPRESS": "0"}], timeout=120),
+    "4 detail": lambda: run_world(4, four_ranks, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=300),
+    "3 failures": lambda: run_world(3, failures, init_timeout=120, timeout=240, allow_errors=True),
+    "4 one dies": lambda: run_world(4, one_of_four_dies, init_timeout=120, timeout=240, allow_errors=True),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def world(name: str):
     """Each world spawned once for the tests that read it; its failure is remembered as well."""
     try:
-        if name == "2":
-            return run_world(2, two_ranks, timeout=240), None
-        if name == "4 detail":
-            return run_world(4, four_ranks, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=300), None
-        if name == "4 one dies":
-            return run_world(4, one_of_four_dies, init_timeout=120, timeout=240, allow_errors=True), None
-        if name == "3 failures":
-            return run_world(3, failures, init_timeout=120, timeout=240, allow_errors=True), None
-        if name == "express off on one rank":
-            return run_world(2, express_off, rank_env=[{}, {"WANLINK_EXPRESS": "0"}], timeout=120), None
-        return run_world(2, express_off, env={"WANLINK_EXPRESS": "0"}, timeout=120), None
+        return WORLDS[name](), None
     except Exception as error:  # noqa: BLE001 - reported by every test of that world
         return None, error
 
