@@ -260,10 +260,20 @@ class ExpressGroup:
                 self.sockets.add(peer, sock, f"rank {peer}")
         for peer in others:
             if peer > self.group_rank and not self.sockets.has(peer):
-                sock = mesh.express.take(self.slot, self.mesh_ranks[peer], deadline)
+                sock = self._take(peer, deadline)
                 if sock is not None:
                     self.sockets.add(peer, sock, f"rank {peer}")
         return [peer for peer in others if not self.sockets.has(peer)]
+
+    def _take(self, peer: int, deadline: float):
+        """The socket ``peer`` dials for this group, or None at ``deadline``; PeerLost as soon as the
+        link to a member failed (checked every LOST_POLL_S: a dead peer never dials)."""
+        while True:
+            until = min(deadline, time.monotonic() + LOST_POLL_S)
+            sock = self.mesh.express.take(self.slot, self.mesh_ranks[peer], until)
+            if sock is not None or time.monotonic() >= deadline:
+                return sock
+            self.check_members(())
 
     def check_members(self, waiting: Sequence[int]) -> None:
         """PeerLost if the link to a member not in ``waiting`` failed (its process died, or broke the protocol)."""
