@@ -423,11 +423,22 @@ def test_a_peer_that_dies_mid_op_is_peer_lost_naming_it():
     assert "exit code 17" in outcomes[2][1], outcomes[2]
 
 
-def one_of_four_dies(rank: int, size: int) -> tuple[str, float]:
+def outcome_of(call) -> str:
+    try:
+        call()
+        return "no error"
+    except Exception as error:  # noqa: BLE001 - returned
+        return f"{type(error).__name__}: {error}"
+
+
+def one_of_four_dies(rank: int, size: int) -> dict:
     """Rank 3 dies before a halving all_reduce. Rank 0 waits on rank 1 only (its partners are 2, then
     1), and rank 1 fails at its first step (its partner is 3), so never sends what rank 0 waits for:
-    rank 0 must learn of the death from the group's links, not from its own sockets or its timeout."""
+    rank 0 must learn of the death from the group's links, not from its own sockets or its timeout.
+    Then rank 0 starts the first collective of a group it shares with the dead rank, whose socket
+    rank 3 was to open (the higher rank dials): the same."""
     gloo = dist.new_group(backend="gloo")
+    pair = dist.new_group([0, size - 1])
     dist.all_reduce(torch.ones(HALVING))  # sockets made
     dist.barrier(group=gloo)
     if rank == size - 1:
@@ -435,23 +446,34 @@ def one_of_four_dies(rank: int, size: int) -> tuple[str, float]:
     options = dist.AllreduceOptions()
     options.timeout = timedelta(seconds=30)
     started = time.monotonic()
-    try:
-        dist.distributed_c10d._get_default_group().allreduce([torch.ones(HALVING)], options).wait()
-        outcome = "no error"
-    except Exception as error:  # noqa: BLE001 - returned
-        outcome = f"{type(error).__name__}: {error}"
-    elapsed = time.monotonic() - started
+    results = {"halving": outcome_of(lambda: dist.distributed_c10d._get_default_group().allreduce(
+        [torch.ones(HALVING)], options).wait())}
+    results["halving s"] = time.monotonic() - started
+    if rank == 0:
+        started = time.monotonic()
+        results["first of a pair"] = outcome_of(lambda: pair.allreduce([torch.ones(4)], options).wait())
+        results["first of a pair s"] = time.monotonic() - started
     store = dist.distributed_c10d._get_default_store()  # the survivors stay until all three are done (a
     store.add("finished", 1)  # survivor that exits closes its sockets, which would tell the others)
     deadline = time.monotonic() + 60
     while store.add("finished", 0) < size - 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    return outcome, elapsed
+    return results
 
 
 def test_a_dead_member_fails_a_halving_on_every_survivor_even_one_waiting_on_another():
     outcomes = results("4 one dies")
     assert "exit code 17" in outcomes[3][1], outcomes[3]
-    for rank, (status, (message, seconds)) in enumerate(outcomes[:3]):
-        assert status == "ok", message
-        assert message.startswith("PeerLost") and "rank 3" in message, f"rank {rank} after {seconds:.1f} s: {message}"
+    for rank, (status, result) in enumerate(outcomes[:3]):
+        assert status == "ok", result
+        message = result["halving"]
+        assert message.startswith("PeerLost") and "rank 3" in message, \
+            f"rank {rank} after {result['halving s']:.1f} s: {message}"
+
+
+def test_a_dead_member_fails_the_first_collective_of_a_group_waiting_for_its_socket():
+    status, result = results("4 one dies")[0]
+    assert status == "ok", result
+    message = result["first of a pair"]
+    assert message.startswith("PeerLost") and "rank 3" in message, \
+        f"after {result['first of a pair s']:.1f} s: {message}"
