@@ -264,7 +264,7 @@ def _auto_on_links(rank, size):
 
 
 def test_without_a_bandwidth_source_the_hook_reads_its_groups_links():
-    # links carry the exchanges: ranks of one host would otherwise take the express path (c10d/express.py)
+    # (the links carry the hook's all-gathers on the loop path; a one-host group's go express, off the links)
     for source, readings in run_world(2, _auto_on_links, env={"WANLINK_EXPRESS": "0"}):
         assert source == "link"
         [(acked, busy, periods)] = readings  # one link, to the other rank

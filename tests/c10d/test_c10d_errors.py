@@ -11,6 +11,11 @@ import torch.distributed as dist
 
 from tests.support.worlds import run_world
 
+# Small collectives of a one-host group take the express path (docs/c10d.md); the loop path is what
+# groups across hosts take: the timeout, desync and dead-peer checks run on both.
+LOOP = {"WANLINK_EXPRESS": "0"}
+PATHS = pytest.mark.parametrize("path", [{}, LOOP], ids=["express", "loop"])
+
 
 def mixed_dtype_reduce_scatters(size):
     with dist._coalescing_manager():
@@ -74,8 +79,9 @@ def desynchronised(rank, size):
     return str(caught.value)
 
 
-def test_detail_debug_names_the_mismatch():
-    messages = run_world(2, desynchronised, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=90)
+@PATHS
+def test_detail_debug_names_the_mismatch(path):
+    messages = run_world(2, desynchronised, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", **path}, timeout=90)
     for message in messages:
         assert "#1 all_reduce(dtype float32, 4 elements)" in message, message
         assert "#1 broadcast(dtype float32, 4 elements, root 0)" in message, message
@@ -89,8 +95,9 @@ def dtype_desync(rank, size):
     return str(caught.value)
 
 
-def test_detail_debug_catches_dtype_mismatch():
-    for message in run_world(2, dtype_desync, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=90):
+@PATHS
+def test_detail_debug_catches_dtype_mismatch(path):
+    for message in run_world(2, dtype_desync, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", **path}, timeout=90):
         assert "float32" in message and "float64" in message, message
 
 
@@ -109,8 +116,9 @@ def one_rank_skips(rank, size):
     return str(caught.value), time.monotonic() - started
 
 
-def test_init_process_group_timeout_is_honoured():
-    results = run_world(2, one_rank_skips, init_timeout=3, timeout=90)
+@PATHS
+def test_init_process_group_timeout_is_honoured(path):
+    results = run_world(2, one_rank_skips, init_timeout=3, timeout=90, env=path)
     message, elapsed = results[0]
     assert "all_reduce" in message and "timed out after 3 s waiting for rank(s) [1]" in message, message
     assert elapsed >= 2.5, f"raised after {elapsed:.1f} s, before the 3 s timeout"
@@ -134,9 +142,10 @@ def peer_dies(rank, size, big):
     return "raised"
 
 
-@pytest.mark.parametrize("big", [False, True], ids=["direct", "ring"])
-def test_dead_peer_fails_pending_work_before_the_timeout(big):
-    outcomes = run_world(3, peer_dies, big, init_timeout=120, timeout=90, allow_errors=True)
+@pytest.mark.parametrize("big, path", [(False, {}), (False, LOOP), (True, {})],
+                         ids=["direct-express", "direct-loop", "ring"])  # (a ring is on the loop either way)
+def test_dead_peer_fails_pending_work_before_the_timeout(big, path):
+    outcomes = run_world(3, peer_dies, big, init_timeout=120, timeout=90, allow_errors=True, env=path)
     assert outcomes[:2] == [("ok", "raised"), ("ok", "raised")], outcomes
     assert "exit code 17" in outcomes[2][1]
 
@@ -185,8 +194,9 @@ def per_call_timeouts(rank, size):
     return messages
 
 
-def test_every_timeout_is_honoured_zero_included_and_says_timed_out():
-    results = run_world(3, per_call_timeouts, init_timeout=120, timeout=120)
+@PATHS
+def test_every_timeout_is_honoured_zero_included_and_says_timed_out(path):
+    results = run_world(3, per_call_timeouts, init_timeout=120, timeout=120, env=path)
     for rank in (0, 1):
         messages = results[rank]
         assert all("timed out after" in message and "group '0'" in message for message in messages.values()), messages

@@ -3,7 +3,9 @@
 Each world's default group is wanlink; ``dist.new_group(backend="gloo")`` gives the reference.
 Values are small integers (also for floats), so every dtype's result is exact and compared with
 ``torch.equal``. Non-contiguous inputs are compared with gloo run on contiguous copies.
-World 2 uses the default algorithm thresholds; world 3 forces rings with many pieces; the site
+World 2 uses the default algorithm thresholds (its small collectives take the express path of a
+one-host group, docs/c10d.md), world "2 loop" the same on the I/O loop (``WANLINK_EXPRESS=0``, the
+path of groups across hosts); world 3 forces rings with many pieces; the site
 worlds (``WANLINK_SITE`` per rank: 2 sites x 2 ranks, 2 + 1, 3 + 1) force the site-aware algorithms
 (docs/sites.md) with many pieces.
 """
@@ -24,6 +26,7 @@ SMALL, BIG = 37, 5003
 MANY_PIECES = {"WANLINK_DIRECT_MAX_BYTES": "2048", "WANLINK_PIECE_BYTES": "4096"}
 WORLDS = {  # name: (each rank's WANLINK_SITE, "" for unset; the environment of every rank)
     "2": (["", ""], {}),
+    "2 loop": (["", ""], {"WANLINK_EXPRESS": "0"}),
     "3": (["", "", ""], MANY_PIECES),
     "sites 2x2": (["a", "a", "b", "b"], MANY_PIECES),
     "sites 2+1": (["a", "a", "b"], MANY_PIECES),

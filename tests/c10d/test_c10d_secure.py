@@ -14,15 +14,16 @@ def sealed_world(rank, size):
     exact = torch.equal(tensor, torch.arange(1 << 18, dtype=torch.float32) * sum(range(1, size + 1)))
     mesh = mesh_module._world_mesh
     links = [mesh.runtime.run(mesh.link(peer)) for peer in range(size) if peer != rank]
-    return exact, [link.secure for link in links]
+    express = dist.distributed_c10d._get_default_group().express is not None  # (its sockets are not sealed)
+    return exact, [link.secure for link in links], express
 
 
 @pytest.mark.parametrize("unix", ["0", "1"], ids=["tcp", "unix"])
 def test_secure_backend_seals_every_link(unix):
     results = run_world(3, sealed_world, env={"WANLINK_SECURE": "1", "WANLINK_UNIX": unix}, timeout=120)
-    assert results == [(True, [True, True])] * 3, results
+    assert results == [(True, [True, True], False)] * 3, results
 
 
 def test_plaintext_backend_links_are_not_sealed():
     results = run_world(2, sealed_world, env={"WANLINK_SECURE": "0", "WANLINK_UNIX": "0"}, timeout=120)
-    assert results == [(True, [False])] * 2, results
+    assert results == [(True, [False], False)] * 2, results  # (WANLINK_UNIX=0: no express path either)

@@ -229,7 +229,7 @@ def _send_order(rank, size):
 
 
 def test_buckets_of_the_first_layers_leave_first():
-    # the links' EDF order; ranks of one host would otherwise take the express path (c10d/express.py)
+    # (EDF orders the links: the loop path; on the express path a one-host group's collectives run in issue order)
     for first_seen, buckets in run_world(2, _send_order, env={"WANLINK_EXPRESS": "0"}):
         assert buckets >= 3 and len(first_seen) == buckets
         # tags grow with launch order; DDP launches the last layers' bucket first, and EDF must send

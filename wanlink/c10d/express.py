@@ -116,13 +116,19 @@ class ExpressComm(Comm):
             await future
 
     def finish(self, item) -> None:
-        """Move bytes until ``item`` is done; _Expired once the deadline passed, PeerLost (every
-        LOST_POLL_S while waiting) once the link to any member failed, as on the I/O loop."""
+        """Move bytes until ``item`` is done; _Expired once the deadline passed; PeerLost once the
+        link to a member failed, checked whenever nothing moved for LOST_POLL_S (a rank waiting on
+        a survivor that gave up on a dead member would otherwise wait for its deadline). Members
+        this collective still waits for are left to their sockets: their process's death closes
+        them at once, and their silence (a frozen process) is for the timeout to name."""
+        check_at = time.monotonic() + LOST_POLL_S
         while not item.done:
-            if not self._group.sockets.progress(min(self.deadline, time.monotonic() + LOST_POLL_S)):
-                if time.monotonic() >= self.deadline:
+            if not self._group.sockets.progress(min(self.deadline, check_at)):
+                now = time.monotonic()
+                if now >= self.deadline:
                     raise _Expired()
-                self._group.check_members()
+                self._group.check_members(self.waiting_for())
+                check_at = now + LOST_POLL_S
 
     async def compute(self, fn: Callable[..., None], *args) -> None:
         fn(*args)
@@ -245,13 +251,6 @@ class ExpressGroup:
             if not isinstance(failure, Exception):
                 raise
 
-    def check_members(self) -> None:
-        """PeerLost naming a member whose link (its mesh link: pings, TCP or Unix socket) failed."""
-        for peer in self._others:
-            lost = self.mesh.lost(self.mesh_ranks[peer])
-            if lost is not None:
-                raise PeerLost(f"this collective cannot complete: {lost}") from lost
-
     def _connect(self, deadline: float) -> list[int]:
         """Open the sockets still missing (the higher group rank dials); the peers still missing at ``deadline``."""
         mesh, others = self.mesh, self._others
@@ -266,12 +265,29 @@ class ExpressGroup:
                 self.sockets.add(peer, sock, f"rank {peer}")
         for peer in others:
             if peer > self.group_rank and not self.sockets.has(peer):
-                sock = mesh.express.take(self.slot, self.mesh_ranks[peer], deadline)
+                sock = self._take(peer, deadline)
                 if sock is not None:
                     self.sockets.add(peer, sock, f"rank {peer}")
         missing = [peer for peer in others if not self.sockets.has(peer)]
         self._connected = not missing
         return missing
+
+    def _take(self, peer: int, deadline: float):
+        """The socket ``peer`` dials for this group, or None at ``deadline``; PeerLost as soon as the
+        link to a member failed (checked every LOST_POLL_S: a dead peer never dials)."""
+        while True:
+            until = min(deadline, time.monotonic() + LOST_POLL_S)
+            sock = self.mesh.express.take(self.slot, self.mesh_ranks[peer], until)
+            if sock is not None or time.monotonic() >= deadline:
+                return sock
+            self.check_members(())
+
+    def check_members(self, waiting: Sequence[int]) -> None:
+        """PeerLost if the link to a member not in ``waiting`` failed (its process died, or broke the protocol)."""
+        for peer, world_rank in enumerate(self.mesh_ranks):
+            lost = None if peer in waiting else self.mesh.lost(world_rank)
+            if lost is not None:
+                raise PeerLost(f"this collective cannot complete: {lost}") from lost
 
     def _abandon(self, sequence: int) -> None:
         for peer in range(self.size):

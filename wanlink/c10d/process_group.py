@@ -165,7 +165,8 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         work = WanlinkWork(op, outputs, reports_source, where)
 
         def timed_out() -> DeadlineExceeded:
-            return self._timed_out(where, seconds, sorted({peer for comm in comms for peer in comm.waiting_for()}))
+            return self._timed_out(where, seconds, sorted({peer for comm in comms for peer in comm.waiting_for()}),
+                                   everyone)
 
         async def guarded():
             try:
@@ -201,13 +202,19 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
             self.mesh.runtime.start(guarded(), work.task_done)
         return work
 
-    def _timed_out(self, where: _Where, seconds: float, waiting: list[int]) -> DeadlineExceeded:
+    def _timed_out(self, where: _Where, seconds: float, waiting: list[int], everyone: bool = True) -> DeadlineExceeded:
         """What an op that ran out of its ``seconds`` raises: whom it ``waiting`` for (all others when
-        unknown), and which of them went silent (frozen or cut off) rather than merely late."""
-        waiting = waiting or [rank for rank in range(self.group_size) if rank != self.group_rank]
-        silent = silent_peers(self.mesh, self.mesh_ranks, waiting, SILENT_S)
+        unknown), and which of them, or with ``everyone`` (a collective) of all members, went silent
+        (frozen or cut off) rather than merely late: a frozen member stalls members that wait on
+        others, and its link may have failed of that silence already."""
+        others = [rank for rank in range(self.group_size) if rank != self.group_rank]
+        waiting = waiting or others
+        suspects = others if everyone else waiting
+        silent = silent_peers(self.mesh, self.mesh_ranks, suspects, SILENT_S)
         named = "".join(f"; rank {peer} sent nothing for {quiet:.1f} s (frozen or cut off; the others "
                         f"still ping)" for peer, quiet in sorted(silent.items()) if quiet != float("inf"))
+        lost = ((peer, self.mesh.lost(self.mesh_ranks[peer])) for peer in suspects)
+        named += "".join(f"; rank {peer}: {error}" for peer, error in lost if error is not None)
         return DeadlineExceeded(f"{where} timed out after {seconds:g} s waiting for rank(s) {waiting}: "
                                 f"dead, stuck or not calling it{named}")
 
