@@ -20,7 +20,7 @@ def frame(sequence: int, piece: int, payload: bytes) -> bytes:
 def drain(outgoing: Outgoing, rng: random.Random, most: int = 8) -> bytes:
     """Everything ``outgoing`` has queued, as a socket taking a random number of bytes per write sees it."""
     written = bytearray()
-    while outgoing.pending():
+    while outgoing.queue:
         gathered = b"".join(bytes(buffer) for buffer in outgoing.buffers(most))
         assert gathered, "pending, but nothing to write"
         count = rng.randint(1, len(gathered))
@@ -56,7 +56,7 @@ def test_outgoing_writes_every_message_in_order_under_any_partial_writes(seed):
     assert not any(message.done for message in messages)
     assert drain(outgoing, rng, most=rng.randint(1, 8)) == b"".join(frame(*item) for item in payloads)
     assert all(message.done for message in messages)
-    assert not outgoing.pending() and outgoing.buffers() == []
+    assert not outgoing.queue and outgoing.buffers() == []
 
 
 def test_outgoing_marks_a_message_done_only_once_its_last_byte_is_written():
@@ -105,7 +105,7 @@ def test_abandon_after_a_message_ended_exactly_drops_the_next_one():
     outgoing.push(6, 1, memoryview(b"never"))
     outgoing.advance(HEADER.size + 4)  # the first is complete, the second not begun
     outgoing.abandon(6)
-    assert not outgoing.pending()
+    assert not outgoing.queue
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -120,7 +120,7 @@ def test_incoming_lands_each_message_in_its_receive_in_posting_order(seed):
     feed(incoming, b"".join(frame(*sent[index]) for index in order), rng=rng)
     assert all(receive.done for receive in receives)
     assert [bytes(target) for target in targets] == [payload for _, _, payload in sent]
-    assert not incoming.wants_reading()
+    assert not incoming.unfilled
 
 
 def test_incoming_takes_its_bytes_one_at_a_time():
@@ -130,11 +130,11 @@ def test_incoming_takes_its_bytes_one_at_a_time():
     second = incoming.post(9, 1, memoryview(targets[1]))
     data = frame(9, 1, b"12345") + frame(9, 0, b"abc")
     for index in range(len(data)):
-        assert incoming.wants_reading()
+        assert incoming.unfilled
         feed(incoming, data[index:index + 1], step=1)
         assert second.done == (index >= HEADER.size + 4)
     assert first.done and targets == [bytearray(b"abc"), bytearray(b"12345")]
-    assert not incoming.wants_reading()
+    assert not incoming.unfilled
 
 
 def test_incoming_refuses_a_message_of_another_size_naming_rank_piece_and_collective():
@@ -184,7 +184,7 @@ def test_a_receive_withdrawn_mid_payload_is_left_alone_after_that_point():
     data = frame(8, 0, payload)
     feed(incoming, data[:HEADER.size + 40])
     incoming.abandon(8)  # e.g. its timeout: the caller takes the tensor back
-    assert not incoming.wants_reading()
+    assert not incoming.unfilled
     feed(incoming, data[HEADER.size + 40:], step=7)  # the rest arrives when a later collective reads
     assert target == bytearray(payload[:40] + b"." * 60) and not receive.done
     after = bytearray(2)
