@@ -31,7 +31,7 @@ def record_express(group) -> list[str]:
     submit = group.express.submit
 
     def recording(work, where, *args, **kwargs):
-        ran.append(where)
+        ran.append(str(where))  # (formatted lazily: wanlink.c10d.process_group._Where)
         return submit(work, where, *args, **kwargs)
 
     group.express.submit = recording
