@@ -223,6 +223,23 @@ def mismatched_sizes(rank: int, size: int) -> tuple[str, bool]:
     return message, torch.equal(tensor, torch.full((DIRECT,), float(sum(range(size)))))
 
 
+def aborted(rank: int, size: int) -> tuple | None:
+    """Rank 0's async collective, which rank 1 never issues, fails at once when rank 0 aborts the group
+    (ProcessGroup.abort), not after the group's timeout."""
+    gloo = dist.new_group(backend="gloo")
+    pair = dist.new_group([0, 1], timeout=timedelta(seconds=300))
+    dist.all_reduce(torch.ones(4), group=pair)  # the sockets made
+    result = None
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(4), group=pair, async_op=True)
+        time.sleep(0.2)  # (on the group's thread, waiting for rank 1, most likely)
+        started = time.monotonic()
+        pair.abort()
+        result = outcome_of(work.wait), time.monotonic() - started
+    dist.barrier(group=gloo)
+    return result
+
+
 def two_ranks(rank: int, size: int) -> dict:
     group = dist.distributed_c10d._get_default_group()
     ran = record_express(group)
@@ -234,7 +251,14 @@ def two_ranks(rank: int, size: int) -> dict:
     results["interleaved"] = interleaved_async_and_blocking(rank, size, ran)
     results["mismatched"] = mismatched_sizes(rank, size)
     results["crossing"] = crossing_groups(rank, size)
+    results["aborted"] = aborted(rank, size)
     return results
+
+
+def test_abort_fails_a_pending_express_collective_at_once():
+    outcome, seconds = results("2")[0]["aborted"]
+    assert outcome.startswith("PeerLost") and "aborted the group" in outcome, outcome
+    assert seconds < 150, f"abort left the collective to its 300 s timeout ({seconds:.0f} s)"
 
 
 WORLDS = {  # name: how to spawn it (the rank bodies are defined beside the tests that read them)

@@ -165,6 +165,7 @@ class ExpressGroup:
         self._wakeups: queue.SimpleQueue = queue.SimpleQueue()  # the Work of each job the thread runs
         self._running = threading.Lock()  # held by whichever thread runs a collective of the group
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()
 
     @classmethod
@@ -187,6 +188,10 @@ class ExpressGroup:
         ``blocking`` (torch's ``asyncOp=False``: the caller waits for ``work`` next): on the calling
         thread, before returning; no thread hand-off. Otherwise on the group's thread."""
         with self._lock:
+            if self._closed:
+                body.close()
+                work.fail(PeerLost(f"{where}: the group was shut down or aborted"))
+                return
             if self._thread is None and not blocking:
                 self._thread = threading.Thread(target=self._serve, name="wanlink-express", daemon=True)
                 self._thread.start()
@@ -212,12 +217,23 @@ class ExpressGroup:
 
     def close(self) -> None:
         """Stop the thread after the collectives queued so far, and close the sockets."""
-        with self._lock:
-            thread, self._thread = self._thread, None
+        thread = self._stop()
         if thread is not None:
-            self._wakeups.put(_STOP)
             thread.join()
         self.sockets.close()
+
+    def abort(self) -> None:
+        """Fail the running and queued collectives at once (their sockets shut) and stop the thread."""
+        self._stop()
+        self.sockets.shut()
+
+    def _stop(self) -> threading.Thread | None:
+        """Refuse new collectives; the thread ends after the queued ones (returned, to join)."""
+        with self._lock:
+            thread, self._thread, self._closed = self._thread, None, True
+        if thread is not None:
+            self._wakeups.put(_STOP)
+        return thread
 
     def _run(self, work: WanlinkWork, where: object, body: Coroutine, comm: ExpressComm, seconds: float,
              timed_out: Callable[[list[int]], DeadlineExceeded]) -> None:

@@ -674,9 +674,9 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
             self.mesh.close()
 
     def abort(self) -> None:
-        """Close the links at once when this group owns them."""
+        """Fail the express collectives and close the links at once (the links when this group owns them)."""
         if self.express is not None:
-            self.express.close()
+            self.express.abort()
         if self.owns_mesh:
             self.mesh.close()
 

@@ -129,6 +129,7 @@ class ExpressSockets:
         self._peers: dict[int, _Peer] = {}
         self._poll = select.poll()
         self._watched: dict[int, int] = {}  # fd -> poll mask
+        self._shut = False  # this rank shut its sockets (``shut``): not the peers' doing
 
     def add(self, peer: int, sock: socket.socket, name: str) -> None:
         """Use ``sock`` for ``peer`` (called ``name`` in errors, e.g. "rank 2")."""
@@ -178,22 +179,34 @@ class ExpressSockets:
                 except BlockingIOError:
                     pass
                 except OSError as error:
-                    raise PeerLost(f"{peer.name} closed its express socket ({error}): its process exited "
-                                   f"or gave up on the group") from error
+                    raise self._lost(peer, f"closed its express socket ({error})") from error
             while peer.incoming.unfilled:
                 try:
                     count = peer.sock.recv_into(peer.incoming.view())
                 except BlockingIOError:
                     break
                 except OSError as error:
-                    raise PeerLost(f"{peer.name}'s express socket failed ({error}): its process exited "
-                                   f"or gave up on the group") from error
+                    raise self._lost(peer, f"'s express socket failed ({error})") from error
                 if not count:
-                    raise PeerLost(f"{peer.name} closed its express socket: its process exited or gave "
-                                   f"up on the group")
+                    raise self._lost(peer, "closed its express socket")
                 peer.incoming.advance(count)
                 moved = True
         return moved
+
+    def _lost(self, peer: _Peer, what: str) -> PeerLost:
+        if self._shut:
+            return PeerLost(f"this rank aborted the group (its express sockets are shut); {peer.name} not heard")
+        separator = "" if what.startswith("'") else " "
+        return PeerLost(f"{peer.name}{separator}{what}: its process exited or gave up on the group")
+
+    def shut(self) -> None:
+        """Shut every socket down (a thread moving bytes on one sees it closed at once; fds stay open)."""
+        self._shut = True
+        for peer in self._peers.values():
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         for peer in self._peers.values():
