@@ -272,10 +272,11 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         staging = Staging()
         buffer = staging.write(tensor, fill=True)
 
-        async def body(comm: Comm) -> None:
-            await self.algorithms.allreduce(comm, buffer, reducer, name)
-
         algorithm = self.algorithms.allreduce_algorithm(self.group_size, self.piece_bytes, buffer)
+
+        async def body(comm: Comm) -> None:
+            await self.algorithms.allreduce(comm, buffer, reducer, name, algorithm)
+
         return self._collective(op, (tensor.dtype, tensor.numel(), -1), body, staging, list(tensors), opts,
                                 algorithm=algorithm)
 
@@ -302,24 +303,27 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         staging = Staging()
         flat = torch.cat([staging.read(tensor) for tensor in tensors])
 
+        algorithm = self.algorithms.allreduce_algorithm(self.group_size, self.piece_bytes, flat)
+
         async def body(comm: Comm) -> None:
-            await self.algorithms.allreduce(comm, flat, reducer, name)
+            await self.algorithms.allreduce(comm, flat, reducer, name, algorithm)
             copy_parts(flat, tensors)
 
         return self._collective(op, (flat.dtype, flat.numel(), -1), body, staging, list(tensors), opts,
-                                algorithm=self.algorithms.allreduce_algorithm(self.group_size, self.piece_bytes, flat))
+                                algorithm=algorithm)
 
     def _reduce_scatter_blocks(self, op: str, blocks: list[torch.Tensor], output: torch.Tensor,
                                name: str, staging: Staging, outputs: list, opts) -> WanlinkWork:
         reducer = reducer_for(name, output.dtype, op)
         result = staging.write(output)
 
+        algorithm = self.algorithms.reduce_scatter_algorithm(self.group_size, self.piece_bytes, result)
+
         async def body(comm: Comm) -> None:
-            await self.algorithms.reduce_scatter(comm, blocks, result, reducer, name)
+            await self.algorithms.reduce_scatter(comm, blocks, result, reducer, name, algorithm)
 
         return self._collective(op, (output.dtype, output.numel(), -1), body, staging, outputs, opts,
-                                algorithm=self.algorithms.reduce_scatter_algorithm(self.group_size, self.piece_bytes,
-                                                                                   result))
+                                algorithm=algorithm)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         """``dist.reduce_scatter``."""
@@ -399,11 +403,13 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         is_root = self.group_rank == root
         buffer = staging.write(tensor, fill=True) if is_root else staging.read(tensor)
 
+        algorithm = self.algorithms.reduce_algorithm(buffer)
+
         async def body(comm: Comm) -> None:
-            await self.algorithms.reduce(comm, buffer, root, reducer, name)
+            await self.algorithms.reduce(comm, buffer, root, reducer, name, algorithm)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts,
-                                algorithm=self.algorithms.reduce_algorithm(buffer))
+                                algorithm=algorithm)
 
     # -- data movement ------------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -415,19 +421,23 @@ class ProcessGroupWanlink(GroupIdentity, ProcessGroup):
         staging = Staging()
         buffer = staging.read(tensor) if self.group_rank == root else staging.write(tensor)
 
+        algorithm = self.algorithms.broadcast_algorithm(self.piece_bytes, buffer)
+
         async def body(comm: Comm) -> None:
-            await self.algorithms.broadcast(comm, buffer, root)
+            await self.algorithms.broadcast(comm, buffer, root, algorithm)
 
         return self._collective(op, (tensor.dtype, tensor.numel(), root), body, staging, list(tensors), opts,
-                                algorithm=self.algorithms.broadcast_algorithm(self.piece_bytes, buffer))
+                                algorithm=algorithm)
 
     def _all_gather_into(self, op: str, source: torch.Tensor, targets: list[torch.Tensor],
                          staging: Staging, outputs: list, opts) -> WanlinkWork:
+        algorithm = self.algorithms.all_gather_algorithm(self.piece_bytes, targets)
+
         async def body(comm: Comm) -> None:
-            await self.algorithms.all_gather(comm, source, targets)
+            await self.algorithms.all_gather(comm, source, targets, algorithm)
 
         return self._collective(op, (source.dtype, source.numel(), -1), body, staging, outputs, opts,
-                                algorithm=self.algorithms.all_gather_algorithm(self.piece_bytes, targets))
+                                algorithm=algorithm)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """``dist.all_gather``."""

@@ -74,8 +74,10 @@ class AlgorithmChoice:
             return halving.allreduce
         return ring.allreduce
 
-    async def allreduce(self, comm: Comm, buffer: torch.Tensor, reducer: Reducer, name: str) -> None:
-        await self.allreduce_algorithm(comm.size, comm.piece_bytes, buffer)(comm, buffer, reducer)
+    async def allreduce(self, comm: Comm, buffer: torch.Tensor, reducer: Reducer, name: str,
+                        algorithm: Algorithm | None = None) -> None:
+        """``algorithm``: the one ``allreduce_algorithm`` picked already (routing: c10d/express.py)."""
+        await (algorithm or self.allreduce_algorithm(comm.size, comm.piece_bytes, buffer))(comm, buffer, reducer)
         if name == "avg":
             finish_average(buffer, comm.size)
 
@@ -89,9 +91,10 @@ class AlgorithmChoice:
         return ring.reduce_scatter_into
 
     async def reduce_scatter(self, comm: Comm, blocks: Sequence[torch.Tensor], result: torch.Tensor,
-                             reducer: Reducer, name: str) -> None:
+                             reducer: Reducer, name: str, algorithm: Algorithm | None = None) -> None:
         """``result`` = the reduction over members of their ``blocks[rank]``."""
-        await self.reduce_scatter_algorithm(comm.size, comm.piece_bytes, result)(comm, blocks, result, reducer)
+        chosen = algorithm or self.reduce_scatter_algorithm(comm.size, comm.piece_bytes, result)
+        await chosen(comm, blocks, result, reducer)
         if name == "avg":
             finish_average(result, comm.size)
 
@@ -106,15 +109,17 @@ class AlgorithmChoice:
             return functools.partial(_gather_in_place, _site_aware(hierarchical.all_gather, self.sites))
         return functools.partial(_gather_in_place, ring.all_gather)
 
-    async def all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    async def all_gather(self, comm: Comm, source: torch.Tensor, targets: list[torch.Tensor],
+                         algorithm: Algorithm | None = None) -> None:
         """``targets[k]`` = member k's ``source``."""
-        await self.all_gather_algorithm(comm.piece_bytes, targets)(comm, source, targets)
+        await (algorithm or self.all_gather_algorithm(comm.piece_bytes, targets))(comm, source, targets)
 
     def reduce_algorithm(self, buffer: torch.Tensor) -> Algorithm:
         return direct.reduce if self.is_small(_nbytes(buffer)) else ring.reduce
 
-    async def reduce(self, comm: Comm, buffer: torch.Tensor, root: int, reducer: Reducer, name: str) -> None:
-        await self.reduce_algorithm(buffer)(comm, buffer, root, reducer)
+    async def reduce(self, comm: Comm, buffer: torch.Tensor, root: int, reducer: Reducer, name: str,
+                     algorithm: Algorithm | None = None) -> None:
+        await (algorithm or self.reduce_algorithm(buffer))(comm, buffer, root, reducer)
         if comm.rank == root and name == "avg":
             finish_average(buffer, comm.size)
 
@@ -131,8 +136,8 @@ class AlgorithmChoice:
             return direct.broadcast
         return ring.broadcast
 
-    async def broadcast(self, comm: Comm, buffer: torch.Tensor, root: int) -> None:
-        await self.broadcast_algorithm(comm.piece_bytes, buffer)(comm, buffer, root)
+    async def broadcast(self, comm: Comm, buffer: torch.Tensor, root: int, algorithm: Algorithm | None = None) -> None:
+        await (algorithm or self.broadcast_algorithm(comm.piece_bytes, buffer))(comm, buffer, root)
 
 
 def _site_aware(algorithm: Callable[..., Awaitable[None]], sites: SiteMap) -> Algorithm:
