@@ -5,11 +5,11 @@ and reduce_scatter on a wanlink default group and a gloo group of the same proce
 run. The two backends' iterations alternate, so load swings on a shared machine hit both alike.
 Every iteration starts right after a barrier on a third (gloo) group, outside the timed region.
 An iteration's time is its latency: from the moment the last rank called the op to the moment the
-last rank returned (the ranks share this host's clock). The ranks leave a barrier up to a few hundred
-microseconds apart, and how far apart depends on what ran before it (measured: 30-150 us median
-before a wanlink op, 25-50 us before a gloo op, each following the other); the longest time one rank
-spent in the call, which counts that skew, is kept in the JSON (``slowest_rank_p50_s``, with
-``start_skew_p50_s``). Columns follow nccl-tests: ``size`` is the per-rank
+last rank returned (the ranks share this host's clock). The ranks leave that barrier apart, further
+before a wanlink op than before a gloo op, each following the other (2026-11-27, median: 17-240 us
+against 10-83 us with 2 ranks, 0.6-4.4 ms against 0.3-2.5 ms with 4 on 2 cores); the longest time
+one rank spent in the call, which counts that skew as the op's, is kept in the JSON
+(``slowest_rank_p50_s``, with ``start_skew_p50_s``). Columns follow nccl-tests: ``size`` is the per-rank
 buffer (all_gather: the gathered output; reduce_scatter: the input), time percentiles p50 / p90
 (and p99 in the JSON) over the iterations, ``algbw = size / p50`` and ``busbw`` algbw times the op's bus factor
 (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1). ``gloo/wanlink`` is
