@@ -4,9 +4,10 @@ A small collective on the I/O loop crosses about a dozen hand-offs (caller -> lo
 writer -> peer's reader -> algorithm task -> Work -> caller), each tens of microseconds of cold
 Python on a busy host, where gloo blocks in one thread on a socket. When every member of a group
 shares this host and network namespace, the collectives whose algorithm posts every receive before
-waiting on any (``ROUND_BASED``: direct exchange, halving) run instead on the group's own thread,
-in issue order, over one Unix socket per pair of members (wanlink/io/express.py): the algorithm's
-coroutine is driven to its end in one step, each await moving bytes on the calling thread. The
+waiting on any (``ROUND_BASED``: direct exchange, halving) run instead in issue order, on the
+caller's thread (a blocking call: torch's ``asyncOp=False``) or the group's own thread (an async one),
+over one Unix socket per pair of members (wanlink/io/express.py): the algorithm's coroutine is
+driven to its end in one step, each await moving bytes on the thread that runs it. The
 rule depends only on the operation and the group, so every member routes a collective alike;
 everything else keeps the I/O loop. ``WANLINK_EXPRESS=0`` turns it off.
 
