@@ -11,7 +11,8 @@ import time
 import pytest
 
 from wanlink.errors import PeerLost, ProtocolError
-from wanlink.io.express import ExpressListener, ExpressSockets, _configure, dial
+from wanlink.io.express import ExpressListener, ExpressSockets, dial
+from wanlink.io.sockets import configure_stream_socket
 
 SECRET = os.urandom(32)
 WORLD = "express-test"
@@ -23,7 +24,7 @@ def pair():
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ours, theirs = ExpressSockets(), ExpressSockets()
     for sock in (left, right):
-        _configure(sock)
+        configure_stream_socket(sock)
     ours.add(1, left, "rank 1")
     theirs.add(0, right, "rank 0")
     yield ours, theirs

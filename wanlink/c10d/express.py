@@ -301,10 +301,9 @@ class ExpressGroup:
 
     def check_members(self, waiting: Sequence[int]) -> None:
         """PeerLost if the link to a member not in ``waiting`` failed (its process died, or broke the protocol)."""
-        for peer, world_rank in enumerate(self.mesh_ranks):
-            lost = None if peer in waiting else self.mesh.lost(world_rank)
-            if lost is not None:
-                raise PeerLost(f"this collective cannot complete: {lost}") from lost
+        lost = self.mesh.first_lost(rank for peer, rank in enumerate(self.mesh_ranks) if peer not in waiting)
+        if lost is not None:
+            raise PeerLost(f"this collective cannot complete: {lost}") from lost
 
     def _abandon(self, sequence: int) -> None:
         for peer in range(self.size):

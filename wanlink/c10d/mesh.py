@@ -270,6 +270,10 @@ class Mesh:
             return slot.exception()
         return None
 
+    def first_lost(self, peers) -> BaseException | None:
+        """Why the link to the first of ``peers`` whose link failed did, or None (see ``lost``)."""
+        return next(filter(None, (self.lost(peer) for peer in peers)), None)
+
     def cached(self, peer: int):
         """The link to ``peer`` if it is already up, else None (loop thread)."""
         slot = self._links.get(peer)

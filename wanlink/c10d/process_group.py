@@ -97,7 +97,7 @@ class OpWatch:
             self.task.cancel()
 
     def _member_lost(self) -> bool:
-        self.lost = next(filter(None, (self.mesh.lost(rank) for rank in self.ranks)), None)
+        self.lost = self.mesh.first_lost(self.ranks)
         if self.lost is not None:
             self.task.cancel()
         return self.lost is not None

@@ -16,20 +16,13 @@ import threading
 import time
 
 from wanlink.errors import PeerLost, ProtocolError
-from wanlink.io.sockets import close_quietly, unix_address, unix_listener
+from wanlink.io.sockets import close_quietly, configure_stream_socket, unix_address, unix_listener
 from wanlink.proto.express import HELLO, Incoming, Outgoing, hello, read_hello
 
 log = logging.getLogger("wanlink.io")
 
 HELLO_TIMEOUT_S = 2.0
 """Longest the accepting thread waits for a newcomer's hello (a silent stranger delays the next one)."""
-BUFFER_BYTES = 4 << 20
-"""SO_SNDBUF of an express socket: a 4 MiB message goes into the kernel in one write."""
-
-
-def _configure(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
-    sock.setblocking(False)
 
 
 class ExpressListener:
@@ -64,7 +57,7 @@ class ExpressListener:
                 log.warning("express listener %s refused a connection: %s", self.name, error)
                 close_quietly(sock)
                 continue
-            _configure(sock)
+            configure_stream_socket(sock)  # (non-blocking, a Unix socket's 4 MiB of send buffer)
             with self._changed:
                 if self._closed:
                     close_quietly(sock)
@@ -110,7 +103,7 @@ def dial(name: str, secret: bytes, world: str, slot: int, rank: int) -> socket.s
     except OSError:
         close_quietly(sock)
         raise
-    _configure(sock)
+    configure_stream_socket(sock)
     return sock
 
 

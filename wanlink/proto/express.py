@@ -84,10 +84,10 @@ class Outgoing:
 class Receive:
     """A receive posted for one message; ``done`` once its bytes all landed in ``target``."""
 
-    __slots__ = ("sequence", "piece", "target", "done")
+    __slots__ = ("sequence", "target", "done")
 
-    def __init__(self, sequence: int, piece: int, target: memoryview):
-        self.sequence, self.piece, self.target, self.done = sequence, piece, target, False
+    def __init__(self, sequence: int, target: memoryview):
+        self.sequence, self.target, self.done = sequence, target, False
 
 
 class Incoming:
@@ -111,7 +111,7 @@ class Incoming:
         self._scratch = memoryview(bytearray(DISCARD_BYTES))
 
     def post(self, sequence: int, piece: int, target: memoryview) -> Receive:
-        receive = Receive(sequence, piece, target.cast("B"))
+        receive = Receive(sequence, target.cast("B"))
         self._posted.setdefault((sequence, piece), collections.deque()).append(receive)
         self.unfilled += 1
         self._current = max(self._current, sequence)
